@@ -1,0 +1,59 @@
+"""deferinit: build huge ``nn.Module`` objects without memory, replay them exactly later.
+
+Example::
+
+    >>> import torch
+    >>> from deferinit import deferred_init, is_deferred
+    >>> from materialize import materialize_module
+    >>> m = deferred_init(torch.nn.Linear, 8192, 8192, device="cuda")
+    >>> is_deferred(m)
+    True
+    >>> materialize_module(m, device="cpu")   # same values as eager, on CPU
+"""
+
+from .errors import (
+    DataDependentError,
+    DeferredInitError,
+    DeviceUnavailableError,
+    ExternalTensorMutatedError,
+    InferenceTensorInputError,
+    MaterializationError,
+    MixedFakeError,
+    RecordingError,
+    ReplayError,
+)
+from .session import deferred_init, is_deferred
+from .view import graph_of
+
+__all__ = [
+    "deferred_init",
+    "is_deferred",
+    "graph_of",
+    "to_dot",
+    "materialize_module",
+    "materialize_tensor",
+    "DataDependentError",
+    "DeferredInitError",
+    "DeviceUnavailableError",
+    "ExternalTensorMutatedError",
+    "InferenceTensorInputError",
+    "MaterializationError",
+    "MixedFakeError",
+    "RecordingError",
+    "ReplayError",
+]
+
+
+def __getattr__(name):
+    # The front door re-exports the graphviz view and the materialize layer
+    # lazily: importing deferinit stays light and the layers keep pointing
+    # one way (materialize -> deferinit -> fake).
+    if name == "to_dot":
+        from .dot import to_dot
+
+        return to_dot
+    if name in ("materialize_module", "materialize_tensor"):
+        import materialize
+
+        return getattr(materialize, name)
+    raise AttributeError(f"module 'deferinit' has no attribute {name!r}")

@@ -1,0 +1,45 @@
+"""Errors of the DeferredInit and Materialize layers.
+
+Each names the operation, where it happened (the module classes being
+constructed, or the qualified name of the tensor being materialized) and
+what to do about it.  The catalogue with causes and fixes is in
+``docs/errors.md``.
+"""
+
+from __future__ import annotations
+
+
+class DeferredInitError(RuntimeError):
+    """Base class of the errors raised while recording or replaying."""
+
+
+class RecordingError(DeferredInitError):
+    """Something inside ``deferred_init`` cannot be recorded faithfully."""
+
+
+class MixedFakeError(RecordingError):
+    """A fake from ``fake_mode`` (its value unknown) met a recorded tensor."""
+
+
+class InferenceTensorInputError(RecordingError):
+    """An inference tensor from outside was used by a recorded operation."""
+
+
+class DataDependentError(RecordingError):
+    """Recording needed the value of a tensor that cannot be computed now."""
+
+
+class MaterializationError(DeferredInitError):
+    """Replaying the record failed; nothing was changed."""
+
+
+class ExternalTensorMutatedError(MaterializationError):
+    """An outside tensor used while recording was modified in place since."""
+
+
+class DeviceUnavailableError(MaterializationError):
+    """The device to materialize on does not exist in this process."""
+
+
+class ReplayError(MaterializationError):
+    """An operation failed while being replayed."""

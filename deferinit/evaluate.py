@@ -1,0 +1,61 @@
+"""Values needed while recording: ``.item()``, ``bool()``, ``.tolist()`` on a deferred fake.
+
+Constructors sometimes read numbers from tensors they just made (timm:
+``[x.item() for x in torch.linspace(0, rate, depth)]``).  Such a value is
+computed for real, by replaying its closure on its own device, exactly as
+materialization would (a random value is the number eager init would have
+seen).  The user's generators are left untouched, and nothing is kept: the
+tensor stays deferred.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fake.device import exists
+from fake.tensor import describe
+
+from .errors import DataDependentError
+from .replay import Replay, read_of
+from .where import constructing
+
+# Largest closure (bytes of the tensors read) computed while recording.
+LIMIT_BYTES = int(os.environ.get("DEFERINIT_EVAL_LIMIT_BYTES", str(1 << 30)))
+
+
+def evaluate(fakes, operation: str):
+    """Real tensors with the current values of deferred ``fakes``."""
+    for fake in fakes:
+        if not exists(fake.device):
+            raise DataDependentError(
+                f"{operation} on a deferred tensor {describe(fake)} needs its value while "
+                f"recording (constructing {constructing()}), and {fake.device} does not "
+                "exist in this process, so the value eager init would see cannot be computed. "
+                "Record on a device that exists here (e.g. device='cpu') and move the module "
+                "later, or avoid reading tensor values in the constructor."
+            )
+    replay = Replay([read_of(f) for f in fakes], labels=[f"{operation} operand" for _ in fakes])
+    size = _closure_bytes(replay)
+    if size > LIMIT_BYTES:
+        raise DataDependentError(
+            f"{operation} on a deferred tensor {describe(fakes[0])} needs its value while "
+            f"recording (constructing {constructing()}); computing it would allocate about "
+            f"{size / 2**20:.0f} MiB (limit DEFERINIT_EVAL_LIMIT_BYTES={LIMIT_BYTES}). Raise the "
+            "limit, or avoid reading tensor values in the constructor."
+        )
+    return replay.run()
+
+
+def _closure_bytes(replay: Replay) -> int:
+    seen = set()
+    total = 0
+    for node in replay.order:
+        for x in node.flat:
+            value = getattr(x, "value", None)
+            if value is not None and id(value) not in seen:
+                seen.add(id(value))
+                n = 1
+                for d in value.size:
+                    n *= d
+                total += n * value.dtype.itemsize
+    return total

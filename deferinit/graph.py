@@ -1,0 +1,164 @@
+"""The recorded graph: nodes, values, storages and reads.
+
+The IR follows the lineage of PyTorch's first tracer (Node/Value, SSA,
+multiple outputs, no reference cycles):
+
+* a :class:`Node` is one recorded call (an ATen overload, a constant, an
+  outside tensor, or an opaque Python initialiser);
+* a :class:`Value` is one tensor output of a node: the node, the position of
+  the output, and its geometry (a *view* of some storage);
+* a :class:`Storage` is the memory a value and its views share, as it is at
+  record time: it knows the last node that wrote it (its *head*);
+* an :class:`Input` is a read of a value *at a version*: the head of its
+  storage when the read happened.  Every write node reads the value it
+  writes at the previous head, so the writes of a storage form a chain back
+  to its creation, and a reader taken before a write never sees it.
+
+Every reference points back in time: values hold their node, nodes hold the
+inputs they read, storages hold their latest writer.  Nothing in the graph
+holds a fake tensor or the record; a fake holds its value and storage, so
+the graph dies with the last fake that needs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+_seq = itertools.count()
+
+
+class Node:
+    """One recorded call.
+
+    ``kind`` is ``"op"`` (an ATen overload in ``target``), ``"constant"``
+    (``payload`` holds the value, by copy), ``"external"`` (``payload`` holds
+    an outside tensor by reference and ``version`` its version counter) or
+    ``"opaque"`` (a Python initialiser re-run as a whole at replay).
+    ``flat``/``spec`` are the flattened ``(args, kwargs)`` with
+    :class:`Input` in place of tensors.
+    """
+
+    __slots__ = (
+        "seq",
+        "kind",
+        "target",
+        "flat",
+        "spec",
+        "payload",
+        "version",
+        "rng",
+        "reshapes",
+        "writes",
+        "where",
+        "default_dtype",
+        "__weakref__",
+    )
+
+    def __init__(self, kind, target, flat=(), spec=None, payload=None):
+        self.seq = next(_seq)
+        self.kind = kind
+        self.target = target
+        self.flat = flat
+        self.spec = spec
+        self.payload = payload
+        self.version = None
+        # (record stream key, index in that stream) for nodes that draw
+        # random numbers, else None.
+        self.rng = None
+        # True when the node changes the geometry of a tensor in place
+        # (t_(), resize_(), set_()): replay runs it on an alias.
+        self.reshapes = False
+        # Positions in ``flat`` of the inputs this node writes in place.
+        self.writes = ()
+        # Where in the user's code the node was recorded (module classes).
+        self.where = None
+        self.default_dtype = None
+
+    @property
+    def inputs(self):
+        return [x for x in self.flat if type(x) is Input]
+
+    @property
+    def name(self) -> str:
+        if self.kind == "op":
+            return str(self.target)
+        if self.kind == "opaque":
+            return getattr(self.target, "__qualname__", repr(self.target))
+        return self.kind
+
+    def __repr__(self) -> str:
+        return f"<Node %{self.seq} {self.name}>"
+
+
+class Storage:
+    """The memory shared by a base tensor and its views, at record time.
+
+    ``head`` is the last node that wrote it (None: untouched since its
+    creation).  Once a tensor on it has been materialized, ``real`` holds the
+    real untyped storage and ``real_head`` the head it reflects, so that
+    views and bases materialized at different times share memory.
+    """
+
+    __slots__ = ("head", "real", "real_head", "__weakref__")
+
+    def __init__(self):
+        self.head = None
+        self.real = None
+        self.real_head = None
+
+
+class Value:
+    """A tensor produced by a node: output ``index`` of ``node``, with its geometry."""
+
+    __slots__ = ("node", "index", "size", "stride", "offset", "dtype", "device", "_storage", "__weakref__")
+
+    def __init__(self, node: Node, index: int, fake: torch.Tensor, storage: Storage):
+        self.node = node
+        self.index = index
+        self.size = tuple(fake.shape)
+        self.stride = tuple(fake.stride())
+        self.offset = fake.storage_offset()
+        self.dtype = fake.dtype
+        self.device = fake.device
+        # Weak: the storage holds its writers, which hold their inputs,
+        # which hold this value.
+        self._storage = weakref.ref(storage)
+
+    @property
+    def key(self):
+        return (self.node, self.index)
+
+    @property
+    def storage(self) -> Storage | None:
+        return self._storage()
+
+    def same_geometry(self, t: torch.Tensor) -> bool:
+        return (
+            self.size == tuple(t.shape)
+            and self.stride == tuple(t.stride())
+            and self.offset == t.storage_offset()
+            and self.dtype == t.dtype
+        )
+
+    def __repr__(self) -> str:
+        return f"<Value %{self.node.seq}.{self.index} {list(self.size)} {self.dtype} {self.device}>"
+
+
+class Input:
+    """A read of ``value`` when its storage's head was ``version``."""
+
+    __slots__ = ("value", "version")
+
+    def __init__(self, value: Value, version: Node | None):
+        self.value = value
+        self.version = version
+
+    def __repr__(self) -> str:
+        return f"<Input {self.value!r} @ {self.version!r}>"
+
+
+def version_seq(version: Node | None) -> int:
+    return -1 if version is None else version.seq

@@ -1,0 +1,68 @@
+"""Python-level capture of data-dependent initialisers.
+
+``nn.init.trunc_normal_`` (torch 2.13) samples by rejection: it loops on
+``mask.any()``, so its number of draws depends on the values drawn.  It is
+recorded as one opaque call instead.  The public function looks up its
+worker ``_no_grad_trunc_normal_`` in ``torch.nn.init``'s globals at every
+call, so replacing that global catches every route to it: ``nn.init``,
+``from torch.nn.init import trunc_normal_``, transformers' and timm's
+aliases.  The replacement is installed while any thread records (reference
+counted under a lock) and only diverts deferred fakes; every other tensor
+goes to the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import torch.nn.init as _init
+
+from .recorder import RECORDER, is_deferred_fake
+
+_lock = threading.Lock()
+_users = 0
+_ORIGINALS: dict[str, object] = {}
+
+# (global name in torch.nn.init, positional parameters after the tensor)
+_TARGETS = {"_no_grad_trunc_normal_": ("mean", "std", "a", "b")}
+
+
+def _diverting(name: str, original):
+    params = _TARGETS[name]
+
+    @functools.wraps(original)
+    def divert(tensor, *args, **kwargs):
+        if is_deferred_fake(tensor):
+            bound = dict(zip(params, args))
+            bound.update({k: v for k, v in kwargs.items() if k in params})
+            rest = {k: v for k, v in kwargs.items() if k not in params}
+            return RECORDER.opaque(original, tensor, tuple(bound[p] for p in params if p in bound), rest)
+        return original(tensor, *args, **kwargs)
+
+    divert.__deferinit_original__ = original
+    return divert
+
+
+@contextlib.contextmanager
+def installed():
+    """Install the diversions for the duration of the block (nesting and threads safe)."""
+    global _users
+    with _lock:
+        if _users == 0:
+            for name in _TARGETS:
+                original = getattr(_init, name, None)
+                if original is not None:
+                    _ORIGINALS[name] = original
+                    setattr(_init, name, _diverting(name, original))
+        _users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                for name, original in _ORIGINALS.items():
+                    setattr(_init, name, original)
+                _ORIGINALS.clear()

@@ -1,0 +1,411 @@
+"""The interpreter: replays the part of a record that some tensors need.
+
+In the spirit of ``torch.fx.Interpreter``: one loop over nodes in recorded
+order, one ``run_node`` where values are computed, each value freed at its
+last use.  What it adds:
+
+* **The closure.**  To read a value at a version, replay its creator and the
+  chain of writes to its storage up to that version, recursively.  Reads of
+  a storage that is already real (a view or base materialized earlier)
+  start from the real memory, so the results alias it.
+* **Random streams.**  A random node must draw from the state its generator
+  had eagerly.  For every needed draw the nearest known earlier state is
+  restored and the draws in between are replayed too (their results are
+  thrown away); every state passed is cached, so any order of requests costs
+  at most one extra pass.  The user's generator states are put back after.
+* **Devices.**  ``device=`` maps every recorded device to another one.
+
+Everything runs below autograd (``no_grad``, or ``inference_mode`` on request).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fake.device import exists, normalize
+from fake.dispatch import no_python_dispatch
+
+from .errors import DeviceUnavailableError, ExternalTensorMutatedError, ReplayError
+from .graph import Input, Node, version_seq
+from .record import Record
+from .rng import Stream, generator_of, get_state, set_state
+
+
+class DeviceMap:
+    """Maps recorded devices to replay devices (identity when ``target`` is None)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target=None):
+        self.target = normalize(target) if target is not None else None
+
+    def __call__(self, device: torch.device) -> torch.device:
+        if self.target is None or device.type == "meta":
+            return device
+        return self.target
+
+    def stream_key(self, key):
+        if isinstance(key, torch.Generator) or self.target is None:
+            return key
+        return self.target
+
+
+def real_read(inp: Input) -> bool:
+    """Whether a read is served by a storage that is already real."""
+    storage = inp.value.storage
+    return (
+        storage is not None
+        and storage.real is not None
+        and version_seq(inp.version) >= version_seq(storage.real_head)
+    )
+
+
+class ReplayStream:
+    """The draws one generator makes in a replay, in order, with known states."""
+
+    __slots__ = ("key", "nodes", "index", "known", "generator")
+
+    def __init__(self, key, nodes, known):
+        self.key = key
+        self.nodes = nodes
+        self.index = {id(n): i for i, n in enumerate(nodes)}
+        self.known = known
+        self.generator = None
+
+    def nearest_known(self, k: int) -> int:
+        j = k
+        while j > 0 and j not in self.known:
+            j -= 1
+        return j
+
+
+def _replay_streams(streams: list[Stream], device_map: DeviceMap) -> dict:
+    """Group record streams into replay streams (a device remap may merge several)."""
+    by_target: dict = {}
+    for stream in streams:
+        record = stream.record() if stream.record is not None else None
+        by_target.setdefault((id(record), device_map.stream_key(stream.key)), (record, []))[1].append(stream)
+    result = {}
+    for (_, key), (record, group) in by_target.items():
+        if len(group) == 1 and _same_key(group[0].key, key):
+            stream = group[0]
+            rs = ReplayStream(key, stream.nodes, stream.known)
+        else:
+            # Draws recorded for several devices now come from one generator,
+            # in recorded order, starting from its state at deferred_init entry.
+            cache_key = (key, frozenset(id(s) for s in group))
+            known = record.merged.setdefault(cache_key, {}) if record is not None else {}
+            if 0 not in known and record is not None and key in record.entry:
+                known[0] = record.entry[key]
+            nodes = sorted((n for s in group for n in s.nodes), key=lambda n: n.seq)
+            rs = ReplayStream(key, nodes, known)
+        for stream in group:
+            result[id(stream)] = rs
+    return result
+
+
+def _same_key(a, b) -> bool:
+    if isinstance(a, torch.Generator) or isinstance(b, torch.Generator):
+        return a is b
+    return a == b
+
+
+class Replay:
+    """One replay: the closure of some reads, executed in recorded order.
+
+    Example (what ``materialize_tensor`` does, minus the swap)::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 3)
+        >>> (w,) = Replay([read_of(m.weight)]).run()
+        >>> type(w), w.shape
+        (<class 'torch.Tensor'>, torch.Size([3, 2]))
+    """
+
+    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=()):
+        self.targets = targets
+        # Nodes replayed only for their effect on the generators.
+        self.extra = list(extra)
+        self.device_map = DeviceMap(device)
+        self.inference = inference
+        self.labels = labels or [None] * len(targets)
+        self.progress = progress
+        self.streams: dict = {}
+        self.order: list[Node] = []
+        self._plan()
+        if check_devices:
+            self._check_devices()
+
+    # -- planning ---------------------------------------------------------------
+
+    def _plan(self) -> None:
+        needed: dict[int, Node] = {}
+        stack: list[Node] = []
+
+        def read(inp: Input) -> None:
+            if real_read(inp):
+                real_head = inp.value.storage.real_head
+                if inp.version is not None and version_seq(inp.version) > version_seq(real_head):
+                    stack.append(inp.version)
+                return
+            stack.append(inp.value.node)
+            if inp.version is not None:
+                stack.append(inp.version)
+
+        def drain() -> None:
+            while stack:
+                node = stack.pop()
+                if id(node) in needed:
+                    continue
+                needed[id(node)] = node
+                for x in node.flat:
+                    if type(x) is Input:
+                        read(x)
+
+        for inp in self.targets:
+            read(inp)
+        stack.extend(self.extra)
+        drain()
+
+        # Random draws: replay, from the nearest known state, every draw up
+        # to each needed one (their own inputs included), until nothing new.
+        seen_streams: dict[int, Stream] = {}
+        while True:
+            for node in list(needed.values()):
+                if node.rng is not None:
+                    stream = node.rng[0]()
+                    if stream is None:
+                        raise ReplayError(f"the record of {node} is gone; it cannot be replayed")
+                    seen_streams.setdefault(id(stream), stream)
+            self.streams = _replay_streams(list(seen_streams.values()), self.device_map)
+            before = len(needed)
+            for node in list(needed.values()):
+                if node.rng is None:
+                    continue
+                rs = self.streams[id(node.rng[0]())]
+                k = rs.index[id(node)]
+                for j in range(rs.nearest_known(k), k):
+                    stack.append(rs.nodes[j])
+            drain()
+            if len(needed) == before:
+                break
+
+        self.order = sorted(needed.values(), key=lambda n: n.seq)
+
+    def _check_devices(self) -> None:
+        devices = set()
+        for node in self.order:
+            for x in node.flat:
+                if type(x) is Input:
+                    devices.add(x.value.device)
+                elif isinstance(x, torch.device):
+                    devices.add(x)
+            if node.kind == "constant":
+                devices.add(node.target)
+        for inp in self.targets:
+            devices.add(inp.value.device)
+        for device in devices:
+            mapped = self.device_map(device)
+            if not exists(mapped):
+                label = next((l for l in self.labels if l), "the tensor")
+                raise DeviceUnavailableError(
+                    f"cannot materialize {label} on {mapped}: this process has no such device "
+                    f"(the record asks for {device}). Pass device='cpu' (or another device that "
+                    "exists) to materialize elsewhere."
+                )
+
+    # -- execution --------------------------------------------------------------
+
+    def run(self) -> list[torch.Tensor]:
+        """Execute the plan; returns one real tensor per target read."""
+        uses: dict = {}
+        wanted: dict[int, set] = {}
+        for node in self.order:
+            for x in node.flat:
+                if type(x) is Input and not real_read(x):
+                    key = x.value.key
+                    uses[key] = uses.get(key, 0) + 1
+                    wanted.setdefault(id(key[0]), set()).add(key[1])
+        for inp in self.targets:
+            if not real_read(inp):
+                key = inp.value.key
+                uses[key] = uses.get(key, 0) + 1_000_000_000  # never freed
+                wanted.setdefault(id(key[0]), set()).add(key[1])
+
+        env: dict = {}
+        real_views: dict = {}
+        saved = self._save_generators()
+        mode = torch.inference_mode() if self.inference else torch.no_grad()
+        total = len(self.order)
+        try:
+            with no_python_dispatch(), mode, _default_dtype_guard() as dtype_guard:
+                for done, node in enumerate(self.order):
+                    try:
+                        self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard)
+                    except Exception as e:
+                        raise self._failure(node, e) from e
+                    for x in node.flat:
+                        if type(x) is Input and not real_read(x):
+                            key = x.value.key
+                            left = uses[key] - 1
+                            uses[key] = left
+                            if left == 0:
+                                env.pop(key, None)
+                    if self.progress is not None:
+                        self.progress(done + 1, total)
+                results = [self._resolve(inp, env, real_views) for inp in self.targets]
+        finally:
+            self._restore_generators(saved)
+        return results
+
+    def _run_node(self, node: Node, env, real_views, wanted, dtype_guard) -> None:
+        kind = node.kind
+        if kind == "external":
+            t = node.payload
+            if t._version != node.version:
+                raise ExternalTensorMutatedError(
+                    f"an outside tensor {_describe(t)} used while recording was modified in "
+                    f"place since (version {node.version} -> {t._version}), so the recorded "
+                    "values cannot be reproduced. Keep it unchanged until materialization, or "
+                    "pass a clone to the constructor."
+                )
+            mapped = self.device_map(t.device)
+            env[(node, 0)] = t if mapped == t.device else t.to(mapped)
+            return
+        if kind == "constant":
+            env[(node, 0)] = node.payload.to(self.device_map(node.target), copy=True)
+            return
+
+        device_map = self.device_map
+        args = []
+        first_input = True
+        for x in node.flat:
+            if type(x) is Input:
+                t = self._resolve(x, env, real_views)
+                if node.reshapes and first_input:
+                    # t_(), set_(), ...: change an alias, not the tensor other
+                    # values still refer to.
+                    t = torch.ops.aten.alias.default(t)
+                first_input = False
+                args.append(t)
+            elif isinstance(x, torch.device):
+                args.append(device_map(x))
+            else:
+                args.append(x)
+        a, k = tree_unflatten(args, node.spec)
+
+        rng = None
+        if node.rng is not None:
+            rs = self.streams[id(node.rng[0]())]
+            index = rs.index[id(node)]
+            gen = self._generator(rs)
+            if index in rs.known:
+                set_state(gen, rs.known[index])
+            else:
+                rs.known[index] = get_state(gen)
+            rng = (rs, index, gen)
+
+        dtype_guard.set(node.default_dtype)
+        out = node.target(*a, **k)
+
+        if rng is not None:
+            rs, index, gen = rng
+            if index + 1 not in rs.known:
+                rs.known[index + 1] = get_state(gen)
+        if wanted:
+            outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            for pos in wanted:
+                env[(node, pos)] = outs[pos]
+
+    def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
+        value = inp.value
+        if real_read(inp):
+            view = real_views.get(value.key)
+            if view is None:
+                storage = value.storage
+                real = storage.real
+                mapped = self.device_map(value.device)
+                if real.device != mapped:
+                    raise ReplayError(
+                        f"a view of this tensor was already materialized on {real.device}; "
+                        f"its other views must be materialized there too, not on {mapped}"
+                    )
+                view = torch.empty(0, dtype=value.dtype, device=real.device)
+                view.set_(real, value.offset, value.size, value.stride)
+                real_views[value.key] = view
+            return view
+        return env[value.key]
+
+    def _generator(self, rs: ReplayStream) -> torch.Generator:
+        if rs.generator is None:
+            gen = generator_of(rs.key)
+            if gen is None:
+                raise DeviceUnavailableError(f"no random generator for {rs.key} in this process")
+            if 0 not in rs.known:
+                # Recorded where this generator's state could not be read
+                # (CUDA on a CPU-only build): start from its state now.
+                rs.known[0] = get_state(gen)
+            rs.generator = gen
+        return rs.generator
+
+    def _save_generators(self) -> list:
+        saved = []
+        for rs in {id(rs): rs for rs in self.streams.values()}.values():
+            gen = generator_of(rs.key)
+            if gen is not None:
+                saved.append((gen, get_state(gen)))
+        return saved
+
+    def _restore_generators(self, saved) -> None:
+        for gen, state in saved:
+            set_state(gen, state)
+
+    def _failure(self, node: Node, e: Exception) -> Exception:
+        if isinstance(e, (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError)):
+            return e
+        labels = [l for l in self.labels if l]
+        what = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+        where = f" (while constructing {node.where})" if node.where else ""
+        return ReplayError(
+            f"replaying {node.name} (node %{node.seq}){where} for {what or 'the requested tensors'} "
+            f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
+        )
+
+    @property
+    def replay_streams(self) -> list[ReplayStream]:
+        return list({id(rs): rs for rs in self.streams.values()}.values())
+
+
+class _DefaultDtype:
+    """Sets the default dtype a node was recorded under, restoring it at the end."""
+
+    def __init__(self):
+        self.original = torch.get_default_dtype()
+        self.current = self.original
+
+    def set(self, dtype) -> None:
+        dtype = dtype or torch.float32
+        if dtype is not self.current:
+            torch.set_default_dtype(dtype)
+            self.current = dtype
+
+
+@contextlib.contextmanager
+def _default_dtype_guard():
+    guard = _DefaultDtype()
+    try:
+        yield guard
+    finally:
+        if guard.current is not guard.original:
+            torch.set_default_dtype(guard.original)
+
+
+def _describe(t) -> str:
+    return f"(size={tuple(t.shape)}, dtype={t.dtype}, device='{t.device}')"
+
+
+def read_of(fake) -> Input:
+    """The read of a deferred fake as it is now (its value at its storage's head)."""
+    return Input(fake._value, fake._storage.head)

@@ -1,0 +1,98 @@
+"""``deferred_init``: run a constructor with every tensor fake and recorded."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from fake.mode import fake_modes
+
+from . import patches
+from .record import Record
+from .recorder import RECORDER, is_deferred_fake
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+
+_local = _Local()
+
+
+def current_record() -> Record | None:
+    """The record of the innermost ``deferred_init`` running in this thread."""
+    records = _local.records
+    return records[-1] if records else None
+
+
+def deferred_init(module_fn, *args, **kwargs):
+    """Call ``module_fn(*args, **kwargs)`` with every tensor fake and its recipe recorded.
+
+    Returns what ``module_fn`` returns.  No parameter or buffer memory is
+    allocated; every tensor made inside is a fake that reports the device it
+    was asked for (``cuda`` works without CUDA) and remembers how it was
+    computed, so :func:`materialize.materialize_module` can later produce
+    exactly the values eager construction would have.  The default random
+    generator is not advanced.  Nested calls share one record; the recording
+    is per thread; on an exception everything entered is left again and the
+    exception propagates with a note naming the constructor.
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 4096, 4096, device="cuda")
+        >>> m.weight
+        Parameter containing:
+        tensor(..., size=(4096, 4096), device='cuda:0', requires_grad=True, fake=True)
+        >>> is_deferred(m)
+        True
+    """
+    if not callable(module_fn):
+        raise TypeError(f"deferred_init() expects a callable, got {type(module_fn).__name__}")
+    outer = current_record()
+    record = outer if outer is not None else Record(_label(module_fn))
+    _local.records.append(record)
+    try:
+        with patches.installed(), fake_modes(RECORDER, record, fake_cuda=True):
+            return module_fn(*args, **kwargs)
+    except Exception as e:
+        if outer is None and hasattr(e, "add_note"):
+            e.add_note(f"(raised inside deferred_init({_label(module_fn)}))")
+        raise
+    finally:
+        _local.records.pop()
+        if outer is None:
+            record.close()
+
+
+def _label(fn) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def is_deferred(obj) -> bool:
+    """Whether ``obj`` still has recorded tensors to materialize.
+
+    For a tensor: it is a fake whose recipe was recorded by
+    :func:`deferred_init` (a DTensor whose local shard is such a fake counts).
+    For a module: any of its parameters or buffers, recursively, is.
+    Anything else raises ``ValueError``.
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 3)
+        >>> is_deferred(m), is_deferred(m.weight), is_deferred(torch.ones(1))
+        (True, True, False)
+    """
+    if isinstance(obj, torch.Tensor):
+        return is_deferred_fake(obj) or is_deferred_fake(getattr(obj, "_local_tensor", None))
+    if isinstance(obj, torch.nn.Module):
+        return any(is_deferred(t) for t in _tensors(obj))
+    raise ValueError(
+        f"is_deferred() expects a tensor or an nn.Module, got {type(obj).__name__}"
+    )
+
+
+def _tensors(module: torch.nn.Module):
+    yield from module.parameters()
+    yield from module.buffers()

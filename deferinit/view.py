@@ -1,0 +1,171 @@
+"""Reading a record: ``graph_of(module_or_tensor)`` and its text form.
+
+Example::
+
+    >>> print(graph_of(deferred_init(torch.nn.Linear, 4, 2)))
+    %0 = aten.empty.memory_format([2, 4], dtype=torch.float32, device=cpu, pin_memory=False)
+    %1 = aten.uniform_(%0, -0.5, 0.5)  # weight
+    %2 = aten.empty.memory_format([2], dtype=torch.float32, device=cpu, pin_memory=False)
+    %3 = aten.uniform_(%2, -0.5, 0.5)  # bias
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_unflatten
+
+from .graph import Input, Node
+from .recorder import is_deferred_fake
+from .replay import Replay, read_of
+from .where import tensor_names
+
+
+def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
+    """``(name, deferred fake)`` pairs of a module (parameters and buffers,
+    DTensor local shards included, ties once) or of a single tensor."""
+    if isinstance(obj, torch.Tensor):
+        fake = obj if is_deferred_fake(obj) else getattr(obj, "_local_tensor", None)
+        return [("tensor", fake)] if is_deferred_fake(fake) else []
+    if not isinstance(obj, torch.nn.Module):
+        raise ValueError(f"expected a tensor or an nn.Module, got {type(obj).__name__}")
+    seen = set()
+    found = []
+    names = tensor_names(obj)
+    for t in list(obj.parameters()) + list(obj.buffers()):
+        fake = t if is_deferred_fake(t) else getattr(t, "_local_tensor", None)
+        if is_deferred_fake(fake) and id(fake) not in seen:
+            seen.add(id(fake))
+            found.append((names.get(id(t), names.get(id(fake), "?")), fake))
+    return found
+
+
+class Graph:
+    """The recorded nodes a set of tensors needs, in recorded order, printable.
+
+    ``nodes`` lists the nodes; ``labels`` maps a node to the names of the
+    tensors it creates or writes; ``str(graph)`` prints one op per line.
+    """
+
+    def __init__(self, targets: list[tuple[str, torch.Tensor]]):
+        reads = [read_of(f) for _, f in targets]
+        self.targets = targets
+        self.nodes: list[Node] = Replay(reads, check_devices=False).order if reads else []
+        self.labels: dict[int, list[str]] = {}
+        for (name, fake), read in zip(targets, reads):
+            for node in _history(read):
+                names = self.labels.setdefault(id(node), [])
+                if name not in names:
+                    names.append(name)
+        self._number = {id(n): i for i, n in enumerate(self.nodes)}
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def name_of(self, node: Node) -> str:
+        return f"%{self._number.get(id(node), '?')}"
+
+    def read_name(self, inp: Input) -> str:
+        version = inp.version
+        if version is not None and version.writes and id(version) in self._number:
+            written = version.flat[version.writes[0]]
+            if written.value is inp.value:
+                return self.name_of(version)
+        node = inp.value.node
+        name = self.name_of(node)
+        if inp.value.index:
+            name += f"[{inp.value.index}]"
+        return name
+
+    def format_node(self, node: Node) -> str:
+        shown = [self.read_name(x) if type(x) is Input else _Literal(_fmt(x)) for x in node.flat]
+        if node.kind == "constant":
+            call = f"constant({_fmt_tensor(node.payload)}, device={node.target})"
+        elif node.kind == "external":
+            call = f"external({_fmt_tensor(node.payload)}, version={node.version})"
+        else:
+            args, kwargs = tree_unflatten(
+                [s if isinstance(s, _Literal) else _Literal(s) for s in shown], node.spec
+            )
+            parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+            call = f"{op_name(node)}({', '.join(parts)})"
+        line = f"{self.name_of(node)} = {call}"
+        labels = self.labels.get(id(node))
+        if labels:
+            line += "  # " + ", ".join(labels)
+        return line
+
+    def __str__(self) -> str:
+        return "\n".join(self.format_node(n) for n in self.nodes)
+
+    def __repr__(self) -> str:
+        return f"<Graph of {len(self.targets)} tensors, {len(self.nodes)} nodes>"
+
+
+def op_name(node: Node) -> str:
+    """``aten.uniform_`` for default overloads, ``aten.add.Tensor`` otherwise."""
+    if node.kind == "op":
+        target = node.target
+        name = f"{target.namespace}.{target._opname}"
+        if target._overloadname != "default":
+            name += f".{target._overloadname}"
+        return name
+    if node.kind == "opaque":
+        return f"{node.target.__module__}.{node.target.__qualname__}"
+    return node.kind
+
+
+def _history(read: Input):
+    """The node that created a tensor's value and every node that wrote its storage since."""
+    yield read.value.node
+    version = read.version
+    while version is not None:
+        yield version
+        if not version.writes:
+            return
+        version = version.flat[version.writes[0]].version
+
+
+class _Literal:
+    __slots__ = ("text",)
+
+    def __init__(self, text):
+        self.text = text
+
+    def __repr__(self):
+        return self.text
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.6g}" if x == x else "nan"
+    if isinstance(x, torch.device):
+        return str(x)
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(_fmt(y) for y in x)
+        return f"[{inner}]"
+    if isinstance(x, torch.Generator):
+        return f"Generator(device={x.device})"
+    if isinstance(x, torch.Tensor):
+        return _fmt_tensor(x)
+    return repr(x)
+
+
+def _fmt_tensor(t: torch.Tensor) -> str:
+    if t.numel() <= 4 and t.device.type != "meta":
+        return repr(t.tolist())
+    return f"<{t.dtype} {list(t.shape)}>"
+
+
+def graph_of(obj) -> Graph:
+    """The record behind a deferred module or tensor, as a printable :class:`Graph`.
+
+    Example::
+
+        >>> g = graph_of(deferred_init(torch.nn.Embedding, 10, 4, padding_idx=0))
+        >>> print(g)
+        %0 = aten.empty.memory_format([10, 4], dtype=torch.float32, device=cpu, pin_memory=False)
+        %1 = aten.normal_(%0)  # weight
+        %2 = aten.select.int(%1, 0, 0)
+        %3 = aten.fill_.Scalar(%2, 0)  # weight
+    """
+    return Graph(deferred_tensors(obj))

@@ -1,0 +1,27 @@
+"""The Fake layer: tensors that report a device, a shape and a dtype, and own no memory.
+
+Example::
+
+    >>> import torch
+    >>> from fake import fake_mode, is_fake, meta_like
+    >>> with fake_mode(fake_cuda=True):
+    ...     x = torch.ones(2, 3, device="cuda")
+    >>> x
+    tensor(..., size=(2, 3), device='cuda:0', fake=True)
+    >>> is_fake(x), meta_like(x).device
+    (True, device(type='meta'))
+"""
+
+from .errors import FakeDataAccessError, FakeTensorError
+from .tensor import FakeTensor, is_fake, meta_like
+from . import dispatch as _dispatch  # noqa: F401  (installs the plain handler)
+from .mode import fake_mode
+
+__all__ = [
+    "FakeTensor",
+    "FakeDataAccessError",
+    "FakeTensorError",
+    "fake_mode",
+    "is_fake",
+    "meta_like",
+]

@@ -1,0 +1,121 @@
+"""Devices of fake tensors: normalisation, the default device, output rules.
+
+A fake tensor reports a real device although its data lives nowhere. The
+rules that choose the device of an operator's outputs follow the torchdistx
+design note: an explicit ``device`` argument wins; otherwise the tensors'
+common device (a 0-dim CPU tensor yields to the others, as in eager
+PyTorch); otherwise CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+# Operators that legitimately take tensors on different devices (a copy
+# between devices, CPU index tensors into a CUDA tensor).  Their outputs live
+# on the device of their first tensor argument.
+_MIXED_DEVICE_OK = frozenset(
+    {
+        "copy_",
+        "_to_copy",
+        "_copy_from",
+        "_copy_from_and_resize",
+        "copy",
+        "index",
+        "index_put_",
+        "index_put",
+        "_index_put_impl_",
+        "set_",
+        "lift_fresh",
+        "lift_fresh_copy",
+    }
+)
+
+
+def normalize(device) -> torch.device:
+    """Return ``device`` as a ``torch.device`` with an index where real tensors have one.
+
+    Example::
+
+        >>> normalize("cuda")
+        device(type='cuda', index=0)
+    """
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if device.index is None and device.type not in ("cpu", "meta"):
+        index = 0
+        if device.type == "cuda" and torch.cuda.is_available():
+            index = torch.cuda.current_device()
+        device = torch.device(device.type, index)
+    return device
+
+
+def default_device() -> torch.device:
+    """The device factories use when none is given: ``torch.device(...)`` contexts
+    and ``torch.set_default_device`` included, without touching any backend."""
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, DeviceContext):
+            return mode.device
+    ctx = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    if ctx is not None:
+        return ctx.device
+    return CPU
+
+
+def exists(device: torch.device) -> bool:
+    """Whether real tensors can be allocated on ``device`` in this process."""
+    kind = device.type
+    if kind in ("cpu", "meta"):
+        return True
+    module = getattr(torch, kind, None)
+    is_available = getattr(module, "is_available", None)
+    if is_available is None or not is_available():
+        return False
+    if device.index is not None and hasattr(module, "device_count"):
+        return device.index < module.device_count()
+    return True
+
+
+def backend_device(device: torch.device) -> torch.device:
+    """The device the C++ side of a fake sits on.
+
+    A fake reports its device from Python.  Where this build has the
+    backend, the C++ side agrees; where it does not (``cuda`` on a CPU-only
+    build), it sits on CPU: autograd builds its graph from the C++ device and
+    would abort the process on a backend without a device guard, as
+    PyTorch's own FakeTensorMode does.
+    """
+    if device.type in ("cpu", "meta") or exists(device):
+        return device
+    return CPU
+
+
+def common_device(op_name: str, devices: list[tuple[torch.device, bool]]) -> torch.device | None:
+    """The device of an operator's outputs given its tensor arguments.
+
+    ``devices`` holds ``(device, is_cpu_scalar)`` for each tensor argument in
+    order.  Returns None when there are no tensors.
+    """
+    if not devices:
+        return None
+    first = devices[0][0]
+    chosen = None
+    for device, is_cpu_scalar in devices:
+        if is_cpu_scalar:
+            continue
+        if chosen is None:
+            chosen = device
+        elif device != chosen:
+            if op_name in _MIXED_DEVICE_OK:
+                return first
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at "
+                f"least two devices, {chosen} and {device}! (in {op_name} on fake tensors)"
+            )
+    return chosen if chosen is not None else first

@@ -1,0 +1,38 @@
+"""Errors raised by the Fake layer."""
+
+from __future__ import annotations
+
+
+class FakeTensorError(RuntimeError):
+    """Base class of the errors the Fake layer raises."""
+
+
+class FakeDataAccessError(FakeTensorError):
+    """A fake tensor was asked for its data.
+
+    Fake tensors carry shape, dtype, strides and a device, but no storage, so
+    anything that needs the numbers (``item()``, ``tolist()``, ``numpy()``,
+    ``bool()``, ``data_ptr()``, formatting values) cannot be answered.
+
+    Example::
+
+        >>> from fake import fake_mode
+        >>> with fake_mode():
+        ...     t = torch.ones(3)
+        >>> t.tolist()
+        Traceback (most recent call last):
+        fake.errors.FakeDataAccessError: tolist() needs the data of a fake tensor ...
+    """
+
+    def __init__(self, operation: str, tensor_desc: str, hint: str | None = None):
+        self.operation = operation
+        message = (
+            f"{operation} needs the data of a fake tensor {tensor_desc}, and fake "
+            "tensors have no storage: only shape, dtype, strides and device."
+        )
+        message += " " + (
+            hint
+            or "Compute it on a real tensor, or materialize the tensor first "
+            "(deferinit.materialize_tensor) if it was created by deferred_init."
+        )
+        super().__init__(message)

@@ -1,0 +1,54 @@
+"""Which handler computes an operation on fake tensors.
+
+Plain fakes are computed by :class:`fake.dispatch.FakeHandler`.  A fake whose
+recipe is recorded (``_record`` set by ``deferinit``) needs the recorder to
+see every operation that touches it, also outside ``deferred_init``; the
+recorder registers itself here, so that this layer never imports the one
+above it.
+"""
+
+from __future__ import annotations
+
+_plain = None
+_deferred = None
+
+
+def set_plain(handler) -> None:
+    global _plain
+    _plain = handler
+
+
+def register_deferred(handler) -> None:
+    """Install the handler for fakes that carry a record (done by ``deferinit``)."""
+    global _deferred
+    _deferred = handler
+
+
+def plain():
+    return _plain
+
+
+def deferred():
+    return _deferred
+
+
+def _is_deferred(x) -> bool:
+    return getattr(x, "_record", None) is not None
+
+
+def for_args(args, kwargs):
+    """The handler for an operation on ``args``/``kwargs``: the recorder as soon as
+    one argument is a recorded fake, else the plain handler."""
+    if _deferred is not None:
+        for a in args:
+            if _is_deferred(a):
+                return _deferred
+            if type(a) in (list, tuple):
+                for b in a:
+                    if _is_deferred(b):
+                        return _deferred
+        if kwargs:
+            for a in kwargs.values():
+                if _is_deferred(a):
+                    return _deferred
+    return _plain

@@ -1,0 +1,83 @@
+"""``fake_mode``: every new tensor is fake while it is active.
+
+A fake mode is a pair of PyTorch modes: a function mode, which sees Python
+calls before their arguments are parsed (so ``device="cuda"`` can be
+rewritten, see :mod:`fake.function`), and a dispatch mode, which sees every
+ATen operator and hands it to a handler.  Both live on PyTorch's per-thread
+mode stacks, so a fake mode is thread-local and nests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import handlers
+from .function import rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+
+
+class FakeFunctionMode(TorchFunctionMode):
+    """Rewrites devices in calls so that they never initialise a backend."""
+
+    def __init__(self, fake_cuda: bool) -> None:
+        super().__init__()
+        self.fake_cuda = fake_cuda
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            return tensor_to(args[0], args[1:], kwargs, self.fake_cuda)
+        if func is torch.Tensor.cuda:
+            return tensor_cuda(*args, **kwargs, fake_cuda=self.fake_cuda)
+        if func is torch.Tensor.type_as:
+            return tensor_type_as(args[0], args[1], self.fake_cuda)
+        return rewrite_call(func, args, kwargs, self.fake_cuda)
+
+
+class FakeDispatchMode(TorchDispatchMode):
+    """Hands every operator to a handler: the plain fake handler, or the
+    recorder of ``deferinit`` (``context`` is then its record)."""
+
+    def __init__(self, handler, context=None) -> None:
+        super().__init__()
+        self.handler = handler
+        self.context = context
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = handlers.for_args(args, kwargs)
+        if handler is handlers.plain():
+            handler = self.handler
+        return handler.dispatch(func, args, kwargs, self.context)
+
+
+@contextlib.contextmanager
+def fake_modes(handler, context=None, fake_cuda: bool = True):
+    """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
+    with FakeFunctionMode(fake_cuda), FakeDispatchMode(handler, context):
+        yield
+
+
+@contextlib.contextmanager
+def fake_mode(*, fake_cuda: bool = False):
+    """Context manager under which every new tensor is a :class:`FakeTensor`.
+
+    Tensors made inside report their real device, shape, dtype and strides
+    but own no memory; they stay fake after the block ends.  With
+    ``fake_cuda=True`` CUDA tensors can be made on a build without CUDA;
+    without it such a request fails as PyTorch fails.  Nested blocks work and
+    the mode is per thread.
+
+    Example::
+
+        >>> with fake_mode(fake_cuda=True):
+        ...     layer = torch.nn.Linear(4096, 4096, device="cuda")
+        >>> layer.weight
+        Parameter containing:
+        tensor(..., size=(4096, 4096), device='cuda:0', requires_grad=True, fake=True)
+    """
+    with fake_modes(handlers.plain(), None, fake_cuda):
+        yield

@@ -1,0 +1,299 @@
+"""``FakeTensor``: a tensor with a device, a shape and no storage.
+
+A fake tensor is a wrapper subclass: the Python object reports the device it
+pretends to live on (also ``cuda`` on a CPU-only build), its shape, dtype,
+strides and ``requires_grad``, and owns no memory.  Beside it lives a meta
+tensor of the same geometry, its *shadow*, on which every operator actually
+runs (see :mod:`fake.dispatch`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from . import handlers
+from .device import backend_device, normalize
+from .errors import FakeDataAccessError
+
+# Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
+# the user's (``_is_hf_initialized`` and the like) and survives materialization.
+INTERNAL_ATTRS = frozenset(
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls"}
+)
+
+_PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
+
+
+class FakeTensor(torch.Tensor):
+    """A tensor without storage that reports a real device.
+
+    Create fakes with :func:`fake.fake_mode` (or ``deferinit.deferred_init``);
+    the constructor is the low-level door: it takes the meta *shadow* and
+    the device to report.
+
+    Example::
+
+        >>> t = FakeTensor(torch.empty(2, 3, device="meta"), "cuda")
+        >>> t
+        tensor(..., size=(2, 3), device='cuda:0', fake=True)
+        >>> (t @ t.T).shape, (t @ t.T).device
+        (torch.Size([2, 2]), device(type='cuda', index=0))
+    """
+
+    _shadow: torch.Tensor
+    # Set by deferinit on fakes whose recipe is recorded.
+    _record = None
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, shadow: torch.Tensor, device, requires_grad: bool = False):
+        if shadow.device.type != "meta":
+            raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
+        device = normalize(device)
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            shadow.size(),
+            strides=shadow.stride(),
+            storage_offset=shadow.storage_offset(),
+            dtype=shadow.dtype,
+            layout=shadow.layout,
+            device=backend_device(device),
+            requires_grad=requires_grad,
+        )
+        self.__dict__["_shadow"] = shadow
+        self.__dict__["_device"] = device
+        return self
+
+    # The device is reported from Python.  The C++ object may sit on CPU
+    # instead (see backend_device), so autograd never asks for a backend
+    # that this build does not have.
+    @property
+    def device(self) -> torch.device:
+        return self.__dict__["_device"]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.__dict__["_device"].type == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.__dict__["_device"].type == "cpu"
+
+    @property
+    def is_meta(self) -> bool:
+        return False
+
+    def get_device(self) -> int:
+        device = self.__dict__["_device"]
+        return -1 if device.type == "cpu" else device.index
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return handlers.for_args(args, kwargs).dispatch(func, args, kwargs or {}, None)
+
+    # -- identity and printing -------------------------------------------------
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        parts = [f"size={tuple(self.shape)}", f"device='{self.device}'"]
+        if self.dtype != torch.get_default_dtype():
+            parts.append(f"dtype={self.dtype}")
+        if self.requires_grad:
+            parts.append("requires_grad=True")
+        parts.append("fake=True")
+        text = f"tensor(..., {', '.join(parts)})"
+        if self.__dict__.get("_is_param"):
+            text = "Parameter containing:\n" + text
+        return text
+
+    def __format__(self, spec: str) -> str:
+        if not spec:
+            return repr(self)
+        return self._data_access(f"format(tensor, {spec!r})", lambda t: t.__format__(spec))
+
+    def __setattr__(self, name, value) -> None:
+        if name == "_is_param" and value:
+            # nn.Parameter(custom_tensor) returns the custom tensor flagged
+            # with _is_param; remember which Parameter class was asked for so
+            # that materialization gives back an instance of it.
+            caller = sys._getframe(1)
+            if caller.f_code is _PARAMETER_NEW:
+                cls = caller.f_locals.get("cls")
+                if isinstance(cls, type):
+                    self.__dict__["_param_cls"] = cls
+        super().__setattr__(name, value)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            copy = self.clone(memory_format=torch.preserve_format)
+        copy.requires_grad_(self.requires_grad)
+        for key, value in self.__dict__.items():
+            if key not in INTERNAL_ATTRS or key in ("_is_param", "_param_cls"):
+                copy.__dict__[key] = value if key in INTERNAL_ATTRS else _deepcopy(value, memo)
+        memo[id(self)] = copy
+        return copy
+
+    # -- .data ------------------------------------------------------------------
+
+    @property
+    def data(self):
+        return torch.Tensor.data.__get__(self)
+
+    @data.setter
+    def data(self, new) -> None:
+        handlers.for_args((self, new), None).set_data(self, new)
+
+    # -- moving between devices ---------------------------------------------
+
+    def to(self, *args, **kwargs):
+        from .function import tensor_to
+
+        return tensor_to(self, args, kwargs)
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        from .function import tensor_cuda
+
+        return tensor_cuda(self, device, non_blocking, memory_format)
+
+    def cpu(self, memory_format=torch.preserve_format):
+        from .function import tensor_to
+
+        return tensor_to(self, (), {"device": torch.device("cpu"), "memory_format": memory_format})
+
+    def type_as(self, other):
+        from .function import tensor_type_as
+
+        return tensor_type_as(self, other)
+
+    def new_empty(self, *args, **kwargs):
+        return _new(torch.Tensor.new_empty, self, args, kwargs)
+
+    def new_zeros(self, *args, **kwargs):
+        return _new(torch.Tensor.new_zeros, self, args, kwargs)
+
+    def new_ones(self, *args, **kwargs):
+        return _new(torch.Tensor.new_ones, self, args, kwargs)
+
+    def new_full(self, *args, **kwargs):
+        return _new(torch.Tensor.new_full, self, args, kwargs)
+
+    def new_empty_strided(self, *args, **kwargs):
+        return _new(torch.Tensor.new_empty_strided, self, args, kwargs)
+
+    def new_tensor(self, *args, **kwargs):
+        return _new(torch.Tensor.new_tensor, self, args, kwargs)
+
+    # -- data access ------------------------------------------------------------
+
+    def _data_access(self, operation: str, compute):
+        return handlers.for_args((self,), None).data_access(operation, self, compute)
+
+    def tolist(self):
+        return self._data_access("tolist()", lambda t: t.tolist())
+
+    def numpy(self, *, force: bool = False):
+        return self._data_access("numpy()", lambda t: t.numpy(force=force))
+
+    def __array__(self, dtype=None, copy=None):
+        return self._data_access("numpy.asarray()", lambda t: t.__array__(dtype))
+
+    def data_ptr(self):
+        raise FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+
+    def untyped_storage(self):
+        raise FakeDataAccessError("untyped_storage()", describe(self), "A fake tensor has no storage.")
+
+    def storage(self):
+        raise FakeDataAccessError("storage()", describe(self), "A fake tensor has no storage.")
+
+    def _typed_storage(self):
+        raise FakeDataAccessError("storage()", describe(self), "A fake tensor has no storage.")
+
+    def __dlpack__(self, *args, **kwargs):
+        raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")
+
+    def __reduce_ex__(self, protocol):
+        raise FakeDataAccessError(
+            "pickling (torch.save, copy.copy)",
+            describe(self),
+            "Materialize the tensor first, or save its shape and dtype instead.",
+        )
+
+
+def _new(method, self, args, kwargs):
+    """``self.new_*(..., device=d)`` without letting ``d`` reach the argument parser."""
+    from .function import call_on_device, needs_rewrite
+
+    if method is torch.Tensor.new_tensor:
+        return _new_tensor(self, *args, **kwargs)
+    device = kwargs.get("device")
+    if device is not None:
+        device = normalize(device)
+        if needs_rewrite(device):
+            return call_on_device(method, (self, *args), kwargs, device)
+    return method(self, *args, **kwargs)
+
+
+def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout=None, pin_memory=False):
+    """``fake.new_tensor(data)``: a fake holding ``data`` (a constant of the record
+    when ``self`` is deferred), on ``self``'s device unless told otherwise."""
+    device = normalize(device) if device is not None else self.device
+    dtype = dtype or (data.dtype if isinstance(data, torch.Tensor) else self.dtype)
+    if isinstance(data, torch.Tensor) and is_fake(data):
+        result = data.detach().clone().to(device=device, dtype=dtype)
+    else:
+        from .dispatch import no_python_dispatch
+
+        with no_python_dispatch():
+            real = torch.tensor(data, dtype=dtype)
+        result = handlers.for_args((self,), None).lift(real, device)
+    if requires_grad:
+        result.requires_grad_(True)
+    return result
+
+
+def _deepcopy(value, memo):
+    import copy
+
+    return copy.deepcopy(value, memo)
+
+
+def describe(t: torch.Tensor) -> str:
+    """A short description of a tensor that never reads its data."""
+    return f"(size={tuple(t.shape)}, dtype={t.dtype}, device='{t.device}')"
+
+
+def is_fake(t) -> bool:
+    """Whether ``t`` is a fake tensor (plain or deferred).
+
+    Example::
+
+        >>> with fake_mode():
+        ...     t = torch.ones(2)
+        >>> is_fake(t), is_fake(torch.ones(2))
+        (True, False)
+    """
+    return isinstance(t, FakeTensor)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A detached meta tensor with the size, strides, offset and dtype of fake ``t``.
+
+    Example::
+
+        >>> with fake_mode():
+        ...     t = torch.ones(2, 3).t()
+        >>> m = meta_like(t)
+        >>> m.device, m.shape, m.stride()
+        (device(type='meta'), torch.Size([3, 2]), (1, 3))
+
+    Raises ``ValueError`` for anything that is not a fake tensor.
+    """
+    if not isinstance(t, FakeTensor):
+        raise ValueError(f"meta_like() expects a fake tensor, got {type(t).__name__}")
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        return t._shadow.detach()

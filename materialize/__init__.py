@@ -1,0 +1,16 @@
+"""The Materialize layer: replay a record on real hardware, exactly and in place.
+
+Example::
+
+    >>> import torch
+    >>> from deferinit import deferred_init
+    >>> from materialize import materialize_module
+    >>> torch.manual_seed(0)
+    >>> m = deferred_init(torch.nn.Linear, 4, 4)
+    >>> materialize_module(m).weight.is_meta
+    False
+"""
+
+from .api import materialize_module, materialize_tensor
+
+__all__ = ["materialize_module", "materialize_tensor"]
