@@ -115,14 +115,16 @@ class Value:
 
     __slots__ = ("node", "index", "size", "stride", "offset", "dtype", "device", "_storage", "__weakref__")
 
-    def __init__(self, node: Node, index: int, fake: torch.Tensor, storage: Storage):
+    def __init__(self, node: Node, index: int, fake: torch.Tensor, storage: Storage, device=None):
         self.node = node
         self.index = index
-        self.size = tuple(fake.shape)
-        self.stride = tuple(fake.stride())
-        self.offset = fake.storage_offset()
-        self.dtype = fake.dtype
-        self.device = fake.device
+        # The shadow (a plain meta tensor) answers faster than the wrapper.
+        geometry = fake.__dict__.get("_shadow", fake)
+        self.size = tuple(geometry.shape)
+        self.stride = geometry.stride()
+        self.offset = geometry.storage_offset()
+        self.dtype = geometry.dtype
+        self.device = device if device is not None else fake.device
         # Weak: the storage holds its writers, which hold their inputs,
         # which hold this value.
         self._storage = weakref.ref(storage)

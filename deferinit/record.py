@@ -42,9 +42,11 @@ class Record:
         stream = self.streams.get(key)
         if stream is None:
             stream = self.streams[key] = Stream(key, self)
-        state = get_state(generator_of(key)) if gettable(key) else None
-        index = stream.append(node, state)
-        node.rng = (weakref.ref(stream), index)
+            stream.ref = weakref.ref(stream)
+            stream.generator = generator_of(key) if gettable(key) else None
+        gen = stream.generator
+        index = stream.append(node, get_state(gen) if gen is not None else None)
+        node.rng = (stream.ref, index)
 
     def close(self) -> None:
         """Recording stopped: remember the states the generators were left in."""

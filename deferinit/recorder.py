@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 
 from fake import handlers
-from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, no_python_dispatch, run, written_args
+from fake.flat import flatten
+from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, no_python_dispatch, run, writes_real
+from fake.opinfo import op_info
 from fake.tensor import FakeTensor, describe
 
 from .errors import InferenceTensorInputError, MixedFakeError, RecordingError
@@ -22,31 +24,6 @@ from .rng import stream_key
 aten = torch.ops.aten
 
 LIFT_OPS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
-
-_random_cache: dict = {}
-_view_arg_cache: dict = {}
-
-
-def is_random(func) -> bool:
-    cached = _random_cache.get(func)
-    if cached is None:
-        cached = _random_cache[func] = torch.Tag.nondeterministic_seeded in func.tags
-    return cached
-
-
-def _viewed_arg(func):
-    """Index of the schema argument a view op's outputs alias, or None."""
-    cached = _view_arg_cache.get(func, False)
-    if cached is False:
-        cached = None
-        if func.is_view:
-            for i, a in enumerate(func._schema.arguments):
-                if a.alias_info is not None and not a.alias_info.is_write:
-                    cached = i
-                    break
-        _view_arg_cache[func] = cached
-    return cached
-
 
 def attach(fake: FakeTensor, record, value: Value, storage: Storage) -> FakeTensor:
     d = fake.__dict__
@@ -60,11 +37,6 @@ def is_deferred_fake(t) -> bool:
     return isinstance(t, FakeTensor) and t._record is not None
 
 
-def _current_default_dtype():
-    dtype = torch.get_default_dtype()
-    return None if dtype is torch.float32 else dtype
-
-
 class Recorder(FakeHandler):
     """Handler for recorded fakes (registered with :mod:`fake.handlers`)."""
 
@@ -75,52 +47,52 @@ class Recorder(FakeHandler):
             return self._data_op(func, args, kwargs)
         if func in LIFT_OPS and not isinstance(args[0], FakeTensor) and args[0].device.type != "meta":
             return self.constant(args[0], args[0].device)
-        record = context if context is not None else _record_of(args, kwargs)
-        if func.namespace == "aten" and _is_real_write(func, args, kwargs):
+        info = op_info(func)
+        if writes_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
+        record = context if context is not None else _record_of(args, kwargs)
 
-        call = run(func, args, kwargs)
+        call = run(func, args, kwargs, info)
         if call.device.type == "meta":
             return call.out
 
-        flat = call.flat
-        node_flat = list(flat)
-        has_tensor = False
-        for i, x in enumerate(flat):
-            if isinstance(x, FakeTensor):
-                has_tensor = True
-                node_flat[i] = self._read(x, func, record)
-            elif isinstance(x, torch.Tensor):
-                has_tensor = True
-                if x.device.type != "meta":
-                    node_flat[i] = self.external(x, record, func)
-        spec = call.spec
-        if not has_tensor and kwargs.get("dtype") is None and _has_dtype_kwarg(func):
+        flat, spec = call.flat, call.spec
+        if info.dtype_kwarg and kwargs.get("dtype") is None and call.fresh and not _has_tensor(flat):
             # A factory: pin the dtype it got from the default dtype.
-            out = call.out_flat[0] if call.out_flat else None
-            if isinstance(out, torch.Tensor):
-                from torch.utils._pytree import tree_flatten
-
-                node_flat, spec = tree_flatten((args, dict(kwargs, dtype=out.dtype)))
+            flat, spec = flatten(args, dict(kwargs, dtype=call.fresh[0][1].dtype))
+        node_flat = list(flat)
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                if isinstance(x, FakeTensor):
+                    node_flat[i] = self._read(x, func, record)
+                elif x.device.type != "meta":
+                    node_flat[i] = self.external(x, record, func)
+            elif type(x) is torch.device:
+                # The device meant, not the meta it was rewritten to.
+                node_flat[i] = call.device
         node = Node("op", func, node_flat, spec)
-        node.default_dtype = _current_default_dtype()
+        dtype = torch.get_default_dtype()
+        if dtype is not torch.float32:
+            node.default_dtype = dtype
 
         written = call.mutated
-        if is_random(func):
+        if info.random:
             device = written[0].device if written else call.device
             record.add_random(node, stream_key(kwargs, device))
         if written:
-            self._writes(node, func, args, kwargs, call, written, record)
+            self._writes(node, info, args, kwargs, call, written)
         if call.fresh:
-            viewed = _viewed_arg(func)
             base_storage = None
-            if viewed is not None:
-                base = _arg(func, args, kwargs, viewed)
+            if info.view_arg is not None:
+                base = info.arg(args, kwargs, info.view_arg)
                 if isinstance(base, FakeTensor):
                     base_storage = base._storage
             for pos, fake in call.fresh:
                 storage = base_storage if base_storage is not None else Storage()
-                attach(fake, record, Value(node, pos, fake, storage), storage)
+                d = fake.__dict__
+                d["_record"] = record
+                d["_value"] = Value(node, pos, fake, storage)
+                d["_storage"] = storage
         return call.out
 
     def _read(self, fake: FakeTensor, func, record) -> Input:
@@ -136,18 +108,25 @@ class Recorder(FakeHandler):
             record.parents.add(other)
         return Input(fake._value, fake._storage.head)
 
-    def _writes(self, node, func, args, kwargs, call, written, record) -> None:
-        is_set = func._opname == "set_"
-        node.writes = tuple(i for i, x in enumerate(call.flat) if any(x is w for w in written))
+    def _writes(self, node, info, args, kwargs, call, written) -> None:
+        func = info.func
+        is_set = info.opname == "set_"
+        positions = []
+        for i, x in enumerate(call.flat):
+            for w in written:
+                if x is w:
+                    positions.append(i)
+                    break
+        node.writes = tuple(positions)
         for fake in written:
             if not isinstance(fake, FakeTensor):
                 continue
             if is_set:
-                source = _arg(func, args, kwargs, 1) if len(func._schema.arguments) > 1 else None
+                source = info.arg(args, kwargs, 1) if len(func._schema.arguments) > 1 else None
                 fake.__dict__["_storage"] = source._storage if isinstance(source, FakeTensor) else Storage()
             else:
                 fake._storage.head = node
-            if is_set or not fake._value.same_geometry(fake):
+            if is_set or (not info.skip_meta and not fake._value.same_geometry(fake)):
                 # t_(), resize_(), as_strided_(), set_(): a new value, same object.
                 node.reshapes = True
                 pos = next((i for i, y in enumerate(call.out_flat) if y is fake), None)
@@ -194,10 +173,8 @@ class Recorder(FakeHandler):
         For Python initialisers whose control flow depends on the data they
         draw (``nn.init.trunc_normal_`` samples by rejection).
         """
-        from torch.utils._pytree import tree_flatten
-
         record = tensor._record
-        flat, spec = tree_flatten(((tensor, *args), kwargs))
+        flat, spec = flatten((tensor, *args), kwargs)
         node_flat = [
             self._read(x, fn, record) if isinstance(x, FakeTensor)
             else self.external(x, record, fn) if isinstance(x, torch.Tensor)
@@ -205,7 +182,9 @@ class Recorder(FakeHandler):
             for x in flat
         ]
         node = Node("opaque", fn, node_flat, spec)
-        node.default_dtype = _current_default_dtype()
+        dtype = torch.get_default_dtype()
+        if dtype is not torch.float32:
+            node.default_dtype = dtype
         record.add_random(node, stream_key(kwargs, tensor.device))
         node.writes = (0,)
         tensor._storage.head = node
@@ -274,26 +253,9 @@ class _GeometryOf:
         return self._t.storage_offset()
 
 
-def _arg(func, args, kwargs, index):
-    a = func._schema.arguments[index]
-    if index < len(args) and not a.kwarg_only:
-        return args[index]
-    return kwargs.get(a.name)
-
-
-_dtype_kwarg_cache: dict = {}
-
-
-def _has_dtype_kwarg(func) -> bool:
-    cached = _dtype_kwarg_cache.get(func)
-    if cached is None:
-        cached = _dtype_kwarg_cache[func] = any(a.name == "dtype" for a in func._schema.arguments)
-    return cached
-
-
-def _is_real_write(func, args, kwargs) -> bool:
-    for t in written_args(func, args, kwargs):
-        if not isinstance(t, FakeTensor) and t.device.type != "meta":
+def _has_tensor(flat) -> bool:
+    for x in flat:
+        if isinstance(x, torch.Tensor):
             return True
     return False
 
@@ -321,5 +283,8 @@ def current_record():
     return _current()
 
 
+from .fastpath import FAST  # noqa: E402
+
+Recorder.fast = FAST
 RECORDER = Recorder()
 handlers.register_deferred(RECORDER)

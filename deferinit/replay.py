@@ -23,10 +23,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fake.device import exists, normalize
 from fake.dispatch import no_python_dispatch
+from fake.flat import flatten_output, unflatten
 
 from .errors import DeviceUnavailableError, ExternalTensorMutatedError, ReplayError
 from .graph import Input, Node, version_seq
@@ -294,7 +294,7 @@ class Replay:
                 args.append(device_map(x))
             else:
                 args.append(x)
-        a, k = tree_unflatten(args, node.spec)
+        a, k = unflatten(args, node.spec)
 
         rng = None
         if node.rng is not None:
@@ -315,7 +315,7 @@ class Replay:
             if index + 1 not in rs.known:
                 rs.known[index + 1] = get_state(gen)
         if wanted:
-            outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
 

@@ -49,10 +49,15 @@ def gettable(key) -> bool:
 
 
 def get_state(gen: torch.Generator) -> torch.Tensor:
-    from fake.dispatch import no_python_dispatch
-
-    with no_python_dispatch():
+    # get_state allocates through the dispatcher: keep the modes out of it.
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         return gen.get_state()
+
+
+def fingerprint(state: torch.Tensor) -> bytes:
+    """The bytes of a generator state, for cheap comparisons."""
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        return state.numpy().tobytes()
 
 
 def set_state(gen: torch.Generator, state: torch.Tensor) -> None:
@@ -65,26 +70,26 @@ def set_state(gen: torch.Generator, state: torch.Tensor) -> None:
 def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
-    from fake.dispatch import no_python_dispatch
-
-    with no_python_dispatch():
-        return a.shape == b.shape and bool(torch.equal(a, b))
+    return fingerprint(a) == fingerprint(b)
 
 
 class Stream:
     """The random nodes of one record that draw from one generator, in order.
 
     ``known[i]`` is the generator state before ``nodes[i]`` where it is known
-    (``known[len(nodes)]`` is the state after the last draw).  States
+    (``known[len(nodes)]`` is the state after the last draw); ``last_seen``
+    is the fingerprint of the state at the latest draw recorded.  States
     learned at record time are exact; replay adds the ones it passes.
     """
 
-    __slots__ = ("key", "nodes", "known", "last_seen", "record", "__weakref__")
+    __slots__ = ("key", "nodes", "known", "last_seen", "record", "ref", "generator", "__weakref__")
 
     def __init__(self, key, record=None):
         self.key = key
         # Weak: the record owns its streams.
         self.record = weakref.ref(record) if record is not None else None
+        self.ref = None  # a weak reference to this stream, shared by its nodes
+        self.generator = None  # the generator whose states are recorded
         self.nodes: list = []
         self.known: dict[int, torch.Tensor] = {}
         self.last_seen = None
@@ -92,10 +97,11 @@ class Stream:
     def append(self, node, state: torch.Tensor | None) -> int:
         """Add a random node; ``state`` is the generator's state now (or None if unknowable)."""
         index = len(self.nodes)
-        if state is not None and (index == 0 or not same_state(state, self.last_seen)):
+        seen = fingerprint(state) if state is not None else None
+        if seen is not None and (index == 0 or seen != self.last_seen):
             # First draw, or the user reseeded since the previous draw.
             self.known[index] = state
-        self.last_seen = state
+        self.last_seen = seen
         self.nodes.append(node)
         return index
 

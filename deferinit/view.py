@@ -12,7 +12,8 @@ Example::
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_unflatten
+
+from fake.flat import unflatten
 
 from .graph import Input, Node
 from .recorder import is_deferred_fake
@@ -83,7 +84,7 @@ class Graph:
         elif node.kind == "external":
             call = f"external({_fmt_tensor(node.payload)}, version={node.version})"
         else:
-            args, kwargs = tree_unflatten(
+            args, kwargs = unflatten(
                 [s if isinstance(s, _Literal) else _Literal(s) for s in shown], node.spec
             )
             parts = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]

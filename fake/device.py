@@ -43,7 +43,7 @@ def normalize(device) -> torch.device:
         >>> normalize("cuda")
         device(type='cuda', index=0)
     """
-    if not isinstance(device, torch.device):
+    if type(device) is not torch.device:
         device = torch.device(device)
     if device.index is None and device.type not in ("cpu", "meta"):
         index = 0
@@ -53,14 +53,19 @@ def normalize(device) -> torch.device:
     return device
 
 
+from torch._C import _get_function_stack_at as _stack_at  # noqa: E402
+from torch._C import _len_torch_function_stack as _stack_len  # noqa: E402
+from torch.utils._device import DeviceContext as _DeviceContext  # noqa: E402
+
+
 def default_device() -> torch.device:
     """The device factories use when none is given: ``torch.device(...)`` contexts
     and ``torch.set_default_device`` included, without touching any backend."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, DeviceContext):
+    n = _stack_len()
+    while n:
+        n -= 1
+        mode = _stack_at(n)
+        if type(mode) is _DeviceContext:
             return mode.device
     ctx = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
     if ctx is not None:
@@ -91,9 +96,13 @@ def backend_device(device: torch.device) -> torch.device:
     would abort the process on a backend without a device guard, as
     PyTorch's own FakeTensorMode does.
     """
-    if device.type in ("cpu", "meta") or exists(device):
-        return device
-    return CPU
+    backend = _backend.get(device)
+    if backend is None:
+        backend = _backend[device] = device if device.type in ("cpu", "meta") or exists(device) else CPU
+    return backend
+
+
+_backend: dict = {}
 
 
 def common_device(op_name: str, devices: list[tuple[torch.device, bool]]) -> torch.device | None:

@@ -9,11 +9,12 @@ the recorder of ``deferinit`` extends that interface.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import handlers
 from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError
+from .flat import flatten, flatten_output, unflatten, unflatten_output
+from .opinfo import OpInfo, op_info
 from .state import current_intended_device
 from .tensor import FakeTensor, describe
 
@@ -30,16 +31,17 @@ DATA_OPS = {
 class no_python_dispatch:
     """Run ATen kernels directly: no modes, no subclass handlers, no torch functions."""
 
-    __slots__ = ("_guards",)
+    __slots__ = ("_a", "_b")
 
     def __enter__(self):
-        self._guards = (torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction())
-        for g in self._guards:
-            g.__enter__()
+        self._a = torch._C._DisableTorchDispatch()
+        self._b = torch._C.DisableTorchFunction()
+        self._a.__enter__()
+        self._b.__enter__()
 
     def __exit__(self, *exc):
-        for g in reversed(self._guards):
-            g.__exit__(*exc)
+        self._b.__exit__(*exc)
+        self._a.__exit__(*exc)
 
 
 def meta_twin(t: torch.Tensor) -> torch.Tensor:
@@ -54,43 +56,20 @@ def meta_twin(t: torch.Tensor) -> torch.Tensor:
 class Call:
     """What running one operator on fakes produced."""
 
-    __slots__ = (
-        "func",
-        "flat",
-        "spec",
-        "out",
-        "device",
-        "mutated",
-        "fresh",
-        "out_flat",
-    )
+    __slots__ = ("info", "flat", "spec", "out", "device", "mutated", "fresh", "out_flat")
 
-    def __init__(self, func, flat, spec, out, device, mutated, fresh, out_flat=()):
-        self.func = func
+    def __init__(self, info, flat, spec, out, device, mutated, fresh, out_flat):
+        self.info = info  # the OpInfo of the operator
         self.flat = flat  # flattened (args, kwargs) as given
         self.spec = spec
         self.out = out  # the result, fakes in place of meta tensors
         self.device = device  # device of new outputs
-        self.mutated = mutated  # input fakes written in place (their geometry is synced)
+        self.mutated = mutated  # fakes written in place (their geometry is synced)
         self.fresh = fresh  # (position in out_flat, new output fake)
         self.out_flat = out_flat  # the flattened result
 
 
-def _mutated_positions(func) -> tuple[int, ...]:
-    """Indices, in flattened argument order of a schema, of arguments written in place."""
-    cached = _MUTATED.get(func)
-    if cached is None:
-        cached = tuple(
-            i for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write
-        )
-        _MUTATED[func] = cached
-    return cached
-
-
-_MUTATED: dict = {}
-
-
-def run(func, args, kwargs, convert_real=None) -> Call:
+def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Call:
     """Run ``func`` on the shadows of its fake arguments and wrap the outputs.
 
     ``convert_real(t)`` returns the meta stand-in of a real tensor argument;
@@ -99,21 +78,32 @@ def run(func, args, kwargs, convert_real=None) -> Call:
     ops) come back as that same input fake, with its geometry brought up to
     date (``t_()``, ``resize_()``, ``as_strided_()`` change it).
     """
-    flat, spec = tree_flatten((args, kwargs))
+    if info is None:
+        info = op_info(func)
+    if info.writes and not info.skip_meta:
+        # Aliasing fakes may share one shadow; an in-place op that can
+        # change a geometry (t_(), resize_()) must only change its own.
+        with no_python_dispatch():
+            for w in info.written(args, kwargs):
+                if isinstance(w, FakeTensor):
+                    w.__dict__["_shadow"] = w._shadow.detach()
+    flat, spec = flatten(args, kwargs)
     metas = list(flat)
     tensor_devices = []
     shadow_owner = {}
     for i, x in enumerate(flat):
-        if isinstance(x, FakeTensor):
-            shadow = x._shadow
-            metas[i] = shadow
-            shadow_owner[id(shadow)] = x
-            tensor_devices.append((x.device, x.dim() == 0 and x.device.type == "cpu"))
-        elif isinstance(x, torch.Tensor):
-            if x.device.type != "meta":
-                metas[i] = convert_real(x) if convert_real is not None else meta_twin(x)
-            tensor_devices.append((x.device, x.dim() == 0 and x.device.type == "cpu"))
-        elif isinstance(x, torch.device):
+        if isinstance(x, torch.Tensor):
+            if isinstance(x, FakeTensor):
+                shadow = x._shadow
+                metas[i] = shadow
+                shadow_owner[id(shadow)] = x
+                device = x.__dict__["_device"]
+            else:
+                device = x.device
+                if device.type != "meta":
+                    metas[i] = convert_real(x) if convert_real is not None else meta_twin(x)
+            tensor_devices.append((device, device.type == "cpu" and x.dim() == 0))
+        elif type(x) is torch.device:
             metas[i] = META
 
     device = None
@@ -123,9 +113,18 @@ def run(func, args, kwargs, convert_real=None) -> Call:
         if device.type == "meta":
             device = current_intended_device() or META
     if device is None:
-        device = common_device(func._opname, tensor_devices) or CPU
+        if len(tensor_devices) == 1:
+            device = tensor_devices[0][0]
+        else:
+            device = common_device(info.opname, tensor_devices) or CPU
 
-    margs, mkwargs = tree_unflatten(metas, spec)
+    if info.skip_meta and metas[0].dtype in info.checked_dtypes:
+        # An in-place fill: the result is the input, geometry unchanged.
+        info.check_scalars(args, kwargs)
+        owner = args[0]
+        return Call(info, flat, spec, owner, device, [owner], [], [owner])
+
+    margs, mkwargs = unflatten(metas, spec)
     try:
         with no_python_dispatch():
             result = func(*margs, **mkwargs)
@@ -135,14 +134,16 @@ def run(func, args, kwargs, convert_real=None) -> Call:
             f"shape depends on the data ({str(e).splitlines()[0][:200]}). Run it on real "
             "tensors instead (materialize them first)."
         ) from None
+    if info.skip_meta:
+        info.checked_dtypes.add(metas[0].dtype)
 
     mutated: list = []
     fresh: list = []
     if device.type == "meta":
         # The caller asked for meta explicitly: meta it is, not fake.
-        return Call(func, flat, spec, result, device, mutated, fresh)
+        return Call(info, flat, spec, result, device, mutated, fresh, [])
 
-    out_flat, out_spec = tree_flatten(result)
+    out_flat, how = flatten_output(result)
     for i, y in enumerate(out_flat):
         if isinstance(y, torch.Tensor):
             owner = shadow_owner.get(id(y))
@@ -154,11 +155,13 @@ def run(func, args, kwargs, convert_real=None) -> Call:
                 fake = FakeTensor(y, device)
                 out_flat[i] = fake
                 fresh.append((i, fake))
-    for fake in written_args(func, args, kwargs):
-        if isinstance(fake, FakeTensor) and not any(fake is m for m in mutated):
-            _sync_geometry(fake)
-            mutated.append(fake)
-    return Call(func, flat, spec, tree_unflatten(out_flat, out_spec), device, mutated, fresh, out_flat)
+    if info.writes:
+        for fake in info.written(args, kwargs):
+            if isinstance(fake, FakeTensor) and not any(fake is m for m in mutated):
+                _sync_geometry(fake)
+                mutated.append(fake)
+    out = out_flat[0] if how is None else unflatten_output(out_flat, how)
+    return Call(info, flat, spec, out, device, mutated, fresh, out_flat)
 
 
 def _sync_geometry(fake: FakeTensor) -> None:
@@ -173,6 +176,16 @@ def _sync_geometry(fake: FakeTensor) -> None:
         torch.Tensor.data.__set__(fake, replacement)
 
 
+def writes_real(info: OpInfo, args, kwargs) -> bool:
+    """Whether the op writes a real (not fake, not meta) tensor in place."""
+    if not info.writes:
+        return False
+    for t in info.written(args, kwargs):
+        if not isinstance(t, FakeTensor) and t.device.type != "meta":
+            return True
+    return False
+
+
 class FakeHandler:
     """Computes operations on plain fake tensors (no recording).
 
@@ -184,13 +197,14 @@ class FakeHandler:
         if func in DATA_OPS:
             fake = next(a for a in args if isinstance(a, FakeTensor))
             raise FakeDataAccessError(DATA_OPS[func], describe(fake))
-        if _mutates_real(func, args, kwargs):
+        info = op_info(func)
+        if writes_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
-        return run(func, args, kwargs).out
+        return run(func, args, kwargs, info).out
 
     def run_real(self, func, args, kwargs):
         """An in-place op on real tensors only: it stays real."""
-        flat, _ = tree_flatten((args, kwargs))
+        flat, _ = flatten(args, kwargs)
         if any(isinstance(x, FakeTensor) for x in flat):
             raise RuntimeError(
                 f"{func} would write fake data into a real tensor. Make the destination "
@@ -222,29 +236,6 @@ def adopt(fake: FakeTensor, new: FakeTensor) -> None:
     with no_python_dispatch():
         fake.__dict__["_shadow"] = new._shadow.detach()
     fake.__dict__["_device"] = new.device
-
-
-def written_args(func, args, kwargs) -> list:
-    """The tensors an operator writes in place (``Tensor(a!)`` in its schema)."""
-    positions = _mutated_positions(func)
-    if not positions:
-        return []
-    schema_args = func._schema.arguments
-    written = []
-    for pos in positions:
-        arg = schema_args[pos]
-        value = kwargs.get(arg.name) if (arg.kwarg_only or pos >= len(args)) else args[pos]
-        if isinstance(value, torch.Tensor):
-            written.append(value)
-        elif isinstance(value, (list, tuple)):
-            written.extend(v for v in value if isinstance(v, torch.Tensor))
-    return written
-
-
-def _mutates_real(func, args, kwargs) -> bool:
-    return any(
-        not isinstance(t, FakeTensor) and t.device.type != "meta" for t in written_args(func, args, kwargs)
-    )
 
 
 handlers.set_plain(FakeHandler())

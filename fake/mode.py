@@ -10,24 +10,57 @@ mode stacks, so a fake mode is thread-local and nests.
 from __future__ import annotations
 
 import contextlib
+from types import FunctionType
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
-from .function import rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+
+
+# Calls a function past its own torch-function prologue (what
+# torch.overrides.redispatch_function does, torch >= 2.8).
+_skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
+
+
+# Calls that may need a device rewritten even without keyword arguments.
+_HANDLED = CONSTRUCTORS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
 
 
 class FakeFunctionMode(TorchFunctionMode):
     """Rewrites devices in calls so that they never initialise a backend."""
 
-    def __init__(self, fake_cuda: bool) -> None:
+    def __init__(self, fake_cuda: bool, fast=None, context=None) -> None:
         super().__init__()
         self.fake_cuda = fake_cuda
+        # func -> handler(context, args, kwargs) that may answer a call
+        # without dispatching it (NotImplemented: take the general path).
+        self.fast = fast or {}
+        self.context = context
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        fast = self.fast.get(func)
+        if fast is not None:
+            result = fast(self.context, args, kwargs or {})
+            if result is not NotImplemented:
+                return result
+        elif not kwargs and func not in _HANDLED and type(func) is not FunctionType:
+            # Most calls (dim(), size(), add()...): nothing to rewrite.
+            return func(*args)
         kwargs = kwargs or {}
+        if type(func) is FunctionType and _skip_one_hop is not None:
+            # A Python function with a torch-function prologue (nn.init.*,
+            # F.*): run its body with this mode still active, so that the
+            # calls inside it are seen here too (devices, fast paths).
+            _push(self)
+            try:
+                return _skip_one_hop(func, types, args, kwargs)
+            finally:
+                _pop()
         if func is torch.Tensor.to:
             return tensor_to(args[0], args[1:], kwargs, self.fake_cuda)
         if func is torch.Tensor.cuda:
@@ -40,6 +73,12 @@ class FakeFunctionMode(TorchFunctionMode):
 class FakeDispatchMode(TorchDispatchMode):
     """Hands every operator to a handler: the plain fake handler, or the
     recorder of ``deferinit`` (``context`` is then its record)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # No torch.compile ever runs inside the handler; skip the wrapper
+        # that would cost a frame on every operator.
+        return False
 
     def __init__(self, handler, context=None) -> None:
         super().__init__()
@@ -57,7 +96,7 @@ class FakeDispatchMode(TorchDispatchMode):
 @contextlib.contextmanager
 def fake_modes(handler, context=None, fake_cuda: bool = True):
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
-    with FakeFunctionMode(fake_cuda), FakeDispatchMode(handler, context):
+    with FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context), FakeDispatchMode(handler, context):
         yield
 
 

@@ -50,22 +50,11 @@ class FakeTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shadow: torch.Tensor, device, requires_grad: bool = False):
-        if shadow.device.type != "meta":
+        if not shadow.is_meta:
             raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
-        device = normalize(device)
-        self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shadow.size(),
-            strides=shadow.stride(),
-            storage_offset=shadow.storage_offset(),
-            dtype=shadow.dtype,
-            layout=shadow.layout,
-            device=backend_device(device),
-            requires_grad=requires_grad,
-        )
-        self.__dict__["_shadow"] = shadow
-        self.__dict__["_device"] = device
-        return self
+        if type(device) is not torch.device or (device.index is None and device.type != "cpu"):
+            device = normalize(device)
+        return _make(cls, shadow, device, requires_grad)
 
     # The device is reported from Python.  The C++ object may sit on CPU
     # instead (see backend_device), so autograd never asks for a backend
@@ -222,6 +211,27 @@ class FakeTensor(torch.Tensor):
             describe(self),
             "Materialize the tensor first, or save its shape and dtype instead.",
         )
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_STRIDED = torch.strided
+
+
+def _make(cls, shadow, device, requires_grad=False):
+    # Positional arguments: this runs for every fake ever made.
+    self = _make_wrapper(
+        cls, shadow.size(), shadow.stride(), shadow.storage_offset(), None,
+        shadow.dtype, _STRIDED, backend_device(device), False, requires_grad,
+    )
+    d = self.__dict__
+    d["_shadow"] = shadow
+    d["_device"] = device
+    return self
+
+
+def make_fake(shadow: torch.Tensor, device: torch.device, requires_grad: bool = False) -> "FakeTensor":
+    """``FakeTensor(shadow, device)`` for a meta ``shadow`` and a normalized ``device`` (no checks)."""
+    return _make(FakeTensor, shadow, device, requires_grad)
 
 
 def _new(method, self, args, kwargs):

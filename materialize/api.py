@@ -12,7 +12,7 @@ from deferinit.replay import Replay, read_of
 from deferinit.rng import generator_of, get_state, same_state, set_state
 from deferinit.where import tensor_names
 
-from .swap import check_swappable, dress, swap_all
+from .swap import dress, swap_all
 
 # Materializations of at least this many tensors may show a progress bar.
 PROGRESS_MIN_TENSORS = 16
@@ -107,9 +107,6 @@ def materialize_module(
 def _materialize(targets, *, device, inference, progress, complete) -> None:
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
-    for (name, fake) in targets:
-        check_swappable(fake, name)
-
     records = {id(f._record): f._record for _, f in targets}
     finish = _streams_to_finish(records.values()) if complete and device is None else []
     bar = _progress_bar(progress, len(targets))

@@ -5,8 +5,9 @@ so every reference held anywhere (a module, an optimizer, a tied module, a
 user variable) sees the real tensor afterwards.  The real tensor is first
 dressed as the fake was: its class (``nn.Parameter`` or a subclass),
 ``requires_grad`` and the user's attributes (``_is_hf_initialized``...).
-Every swap is checked before any is made; a swap that still fails undoes
-the ones before it.
+A swap that fails undoes the ones before it.  References from C++ to a
+fake (the base of a fake view, an autograd graph built on fakes) keep
+pointing to the fake's old C++ tensor, which only ever described shapes.
 """
 
 from __future__ import annotations
@@ -34,24 +35,13 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool) -> torch.Tens
     return obj
 
 
-def check_swappable(fake: torch.Tensor, label: str) -> None:
-    """Raise unless ``fake``'s contents can be exchanged in place."""
-    count = fake._use_count()
-    if count > 2 or (count == 2 and not fake.is_leaf):
-        raise MaterializationError(
-            f"cannot materialize {label} in place: it is referenced from C++ ({count} "
-            "references, e.g. by an autograd graph built on the fake). Drop the tensors "
-            "computed from it with grad enabled, or create them under torch.no_grad()."
-        )
-
-
 def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     """Exchange the contents of two tensor objects (class, attributes, C++ tensor).
 
-    ``torch.utils.swap_tensors`` without its refusal of weak references: a
-    weak reference to a fake (``nn.RNNBase._flat_weight_refs`` keeps them)
-    should follow the object, which is exactly what exchanging contents
-    while keeping identities does.
+    ``torch.utils.swap_tensors`` without its refusals, which protect autograd
+    graphs of real tensors: a weak reference to a fake
+    (``nn.RNNBase._flat_weight_refs`` keeps them) should follow the object,
+    and C++ references to a fake (a view's base) describe nothing real.
     """
     for name in ("__class__", "__dict__"):
         a, b = getattr(t1, name), getattr(t2, name)

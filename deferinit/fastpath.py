@@ -1,0 +1,196 @@
+"""Recording the calls every constructor makes, without a dispatcher round trip.
+
+Building a Llama-70B-shaped model records about three calls per parameter:
+``torch.empty`` (the factory), ``Tensor.detach`` (inside ``nn.Parameter``)
+and an in-place fill (``uniform_``/``normal_``/``fill_``/``zero_`` from
+``nn.init``).  Through the dispatcher each costs two Python round trips and
+a meta kernel (``normal_``'s is a Python decomposition costing hundreds of
+microseconds).  At the function level, before any dispatch, the result is
+fully known: these handlers build the very node the dispatch path would
+record and the fake it would return.  Whenever a call is not the plain case
+(an ``out=``, a tensor-valued fill, a leaf that requires grad under grad
+mode, a dtype not yet checked by the meta kernel...) they return
+``NotImplemented`` and the general path runs.  ``tests/deferinit`` checks
+that both paths record the same graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fake.device import normalize
+from fake.flat import flatten
+from fake.function import default_device
+from fake.opinfo import op_info
+from fake.state import current_intended_device
+from fake.tensor import FakeTensor, make_fake
+
+from .graph import Input, Node, Storage, Value
+
+aten = torch.ops.aten
+_META = torch.device("meta")
+_STRIDED = torch.strided
+_EMPTY = aten.empty.memory_format
+_DETACH = aten.detach.default
+_increment_version = torch._C._increment_version
+
+
+def _sizes(args):
+    if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size):
+        args = args[0]
+    for n in args:
+        if type(n) is not int:
+            return None
+    return list(args)
+
+
+def _attach(fake, record, node, index, storage, device):
+    d = fake.__dict__
+    d["_record"] = record
+    d["_value"] = Value(node, index, fake, storage, device)
+    d["_storage"] = storage
+    return fake
+
+
+def _default_dtype_node(node):
+    dtype = _get_default_dtype()
+    if dtype is not _FLOAT32:
+        node.default_dtype = dtype
+
+
+_get_default_dtype = torch.get_default_dtype
+_FLOAT32 = torch.float32
+
+
+_EMPTY_KEYS = frozenset({"dtype", "device", "requires_grad", "layout", "pin_memory", "memory_format"})
+_CONTIGUOUS = torch.contiguous_format
+
+
+def empty(record, args, kwargs):
+    """``torch.empty(*size, dtype=, device=, requires_grad=)``."""
+    device = dtype = None
+    requires_grad = False
+    if kwargs:
+        if not _EMPTY_KEYS.issuperset(kwargs):
+            return NotImplemented
+        if kwargs.get("layout") not in (None, _STRIDED) or kwargs.get("pin_memory"):
+            return NotImplemented
+        if kwargs.get("memory_format") not in (None, _CONTIGUOUS):
+            return NotImplemented
+        device = kwargs.get("device")
+        dtype = kwargs.get("dtype")
+        requires_grad = bool(kwargs.get("requires_grad"))
+    size = _sizes(args)
+    if size is None:
+        return NotImplemented
+    if device is None:
+        device = current_intended_device() or default_device()
+    if type(device) is not torch.device or (device.index is None and device.type != "cpu"):
+        device = normalize(device)
+    if device.type == "meta":
+        return NotImplemented
+    if dtype is None:
+        dtype = torch.get_default_dtype()
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        shadow = torch.empty(size, dtype=dtype, device=_META)
+    node = Node("op", _EMPTY, [size, dtype, device, False], _EMPTY_SPEC)
+    if dtype is not torch.float32:
+        _default_dtype_node(node)
+    fake = make_fake(shadow, device, requires_grad)
+    return _attach(fake, record, node, 0, Storage(), device)
+
+
+_EMPTY_SPEC = flatten((None,), {"dtype": None, "device": None, "pin_memory": False})[1]
+
+
+def detach(record, args, kwargs):
+    """``fake.detach()``: a view of the same storage that does not require grad."""
+    if kwargs or len(args) != 1:
+        return NotImplemented
+    self = args[0]
+    if type(self) is not FakeTensor or self._record is None:
+        return NotImplemented
+    d = self.__dict__
+    # Aliases may share a shadow: in-place ops that could change a
+    # geometry give the fake its own shadow first (fake.dispatch.run).
+    storage = d["_storage"]
+    node = Node("op", _DETACH, [Input(d["_value"], storage.head)], _DETACH_SPEC)
+    device = d["_device"]
+    fake = make_fake(d["_shadow"], device)
+    return _attach(fake, d["_record"], node, 0, storage, device)
+
+
+_DETACH_SPEC = flatten((None,), {})[1]
+
+
+def _fill(op):
+    """An in-place fill ``self.op_(*scalars)`` that keeps the geometry of ``self``."""
+    info = op_info(op)
+    params = [a for a in op._schema.arguments[1:] if not a.kwarg_only]
+    names = [a.name for a in params]
+    defaults = [a.default_value for a in params]
+    checked = info.checked_dtypes
+    random = info.random
+    specs: dict = {}
+
+    def fill(record, args, kwargs):
+        self = args[0]
+        if type(self) is not FakeTensor:
+            return NotImplemented
+        d = self.__dict__
+        record = d.get("_record")
+        if record is None:
+            return NotImplemented
+        if self.requires_grad and torch.is_grad_enabled():
+            return NotImplemented  # eager raises for a leaf; let it
+        if self.dtype not in checked:
+            return NotImplemented  # the meta kernel checks the dtype once
+        scalars = list(args[1:])
+        generator = None
+        if kwargs:
+            for key, value in kwargs.items():
+                if key == "generator":
+                    generator = value
+                elif key in names:
+                    i = names.index(key)
+                    if i < len(scalars):
+                        return NotImplemented
+                    scalars.extend(defaults[len(scalars) : i])
+                    scalars.append(value)
+                else:
+                    return NotImplemented
+        if len(scalars) > len(names):
+            return NotImplemented
+        for x in scalars:
+            if type(x) is not float and type(x) is not int and type(x) is not bool:
+                return NotImplemented
+        if scalars:
+            info.check_scalars((self, *scalars), {})
+        shape = (len(scalars), generator is not None)
+        spec = specs.get(shape)
+        if spec is None:
+            spec = specs[shape] = flatten((None, *scalars), {"generator": generator} if generator is not None else {})[1]
+        storage = d["_storage"]
+        flat = [Input(d["_value"], storage.head), *scalars]
+        if generator is not None:
+            flat.append(generator)
+        node = Node("op", op, flat, spec)
+        _default_dtype_node(node)
+        node.writes = (0,)
+        if random:
+            record.add_random(node, generator if generator is not None else d["_device"])
+        storage.head = node
+        _increment_version((self,))
+        return self
+
+    return fill
+
+
+FAST = {
+    torch.empty: empty,
+    torch.Tensor.detach: detach,
+    torch.Tensor.uniform_: _fill(aten.uniform_.default),
+    torch.Tensor.normal_: _fill(aten.normal_.default),
+    torch.Tensor.fill_: _fill(aten.fill_.Scalar),
+    torch.Tensor.zero_: _fill(aten.zero_.default),
+}

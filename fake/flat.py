@@ -1,0 +1,105 @@
+"""Flattening ATen call arguments, fast.
+
+The dispatcher hands Python ``args`` (leaves, or flat lists of leaves such as
+sizes and tensor lists) and ``kwargs`` (keyword-only arguments, same shapes).
+``torch.utils._pytree`` handles any nesting but costs more than the meta
+kernel itself on this hot path; this module handles the one level ATen
+schemas use and falls back to pytree for anything deeper.
+"""
+
+from __future__ import annotations
+
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+_SEQ = (list, tuple)
+
+
+class Spec:
+    """How to rebuild ``(args, kwargs)`` from a flat list."""
+
+    __slots__ = ("arg_shapes", "kw_keys", "kw_shapes")
+
+    def __init__(self, arg_shapes, kw_keys, kw_shapes):
+        self.arg_shapes = arg_shapes
+        self.kw_keys = kw_keys
+        self.kw_shapes = kw_shapes
+
+
+def flatten(args, kwargs):
+    """``(flat, spec)`` for ATen-style ``args``/``kwargs``."""
+    flat = []
+    arg_shapes = []
+    for a in args:
+        t = type(a)
+        if t is list or t is tuple:
+            for b in a:
+                if type(b) in _SEQ:
+                    return tree_flatten((args, kwargs))
+            arg_shapes.append((t, len(a)))
+            flat.extend(a)
+        else:
+            arg_shapes.append(None)
+            flat.append(a)
+    kw_shapes = []
+    if kwargs:
+        for v in kwargs.values():
+            t = type(v)
+            if t is list or t is tuple:
+                for b in v:
+                    if type(b) in _SEQ:
+                        return tree_flatten((args, kwargs))
+                kw_shapes.append((t, len(v)))
+                flat.extend(v)
+            else:
+                kw_shapes.append(None)
+                flat.append(v)
+        keys = tuple(kwargs)
+    else:
+        keys = ()
+    return flat, Spec(tuple(arg_shapes), keys, tuple(kw_shapes))
+
+
+def unflatten(flat, spec):
+    """Rebuild ``(args, kwargs)``."""
+    if isinstance(spec, TreeSpec):
+        return tree_unflatten(flat, spec)
+    i = 0
+    args = []
+    for shape in spec.arg_shapes:
+        if shape is None:
+            args.append(flat[i])
+            i += 1
+        else:
+            t, n = shape
+            args.append(t(flat[i : i + n]))
+            i += n
+    kwargs = {}
+    for key, shape in zip(spec.kw_keys, spec.kw_shapes):
+        if shape is None:
+            kwargs[key] = flat[i]
+            i += 1
+        else:
+            t, n = shape
+            kwargs[key] = t(flat[i : i + n])
+            i += n
+    return tuple(args), kwargs
+
+
+def flatten_output(out):
+    """``(flat, rebuild)`` of an operator's result: a tensor, a tuple/list of them, or other."""
+    t = type(out)
+    if t is tuple or t is list:
+        for b in out:
+            if type(b) in _SEQ:
+                flat, spec = tree_flatten(out)
+                return flat, spec
+        return list(out), t
+    return [out], None
+
+
+def unflatten_output(flat, how):
+    if how is None:
+        return flat[0]
+    if how is tuple or how is list:
+        return how(flat)
+    return tree_unflatten(flat, how)
