@@ -26,6 +26,7 @@ from fake.state import current_intended_device
 from fake.tensor import FakeTensor, make_fake
 
 from .graph import Input, Node, Storage, Value
+from .rng import GeneratorKey
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -178,7 +179,7 @@ def _fill(op):
         _default_dtype_node(node)
         node.writes = (0,)
         if random:
-            record.add_random(node, generator if generator is not None else d["_device"])
+            record.add_random(node, GeneratorKey(generator) if generator is not None else d["_device"])
         storage.head = node
         _increment_version((self,))
         return self

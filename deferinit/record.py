@@ -10,52 +10,77 @@ states at entry and exit.  Fakes hold their record; the graph never does.
 from __future__ import annotations
 
 import itertools
-import weakref
 
 import torch
 
-from .rng import Stream, generator_of, get_state, gettable
+from .rng import Stream, generator_of, get_state, gettable, new_tag, set_state, tag_of, with_tag
 
 _ids = itertools.count(1)
+_CPU = torch.device("cpu")
 
 
 class Record:
     """The session state of one ``deferred_init`` call (nested calls share it)."""
 
-    __slots__ = ("id", "label", "streams", "entry", "exit", "merged", "parents", "open", "__weakref__")
+    __slots__ = ("id", "label", "streams", "entry", "exit", "merged", "parents", "open", "markers", "__weakref__")
 
     def __init__(self, label: str = ""):
         self.id = next(_ids)
         self.label = label
         self.streams: dict = {}
         # Generator states when recording started / stopped, by stream key.
-        self.entry: dict = {torch.device("cpu"): get_state(torch.default_generator)}
+        self.entry: dict = {_CPU: get_state(torch.default_generator)}
         self.exit: dict = {}
         # States learned while replaying streams merged by a device remap.
         self.merged: dict = {}
         # Records whose tensors fed ops of this one: kept alive with it.
         self.parents: set = set()
         self.open = True
+        # Tag of a marked generator state -> (stream, position it stands for).
+        self.markers: dict = {}
 
     def add_random(self, node, key) -> None:
-        """Append random ``node`` to the stream of ``key``, remembering the state if knowable."""
+        """Append random ``node`` to the stream of ``key`` (see :mod:`deferinit.rng`)."""
         stream = self.streams.get(key)
         if stream is None:
             stream = self.streams[key] = Stream(key, self)
-            stream.ref = weakref.ref(stream)
-            stream.generator = generator_of(key) if gettable(key) else None
-        gen = stream.generator
-        index = stream.append(node, get_state(gen) if gen is not None else None)
+        index = len(stream.nodes)
+        stream.nodes.append(node)
         node.rng = (stream.ref, index)
+        gen = stream.generator
+        if gen is None or not self.open:
+            # After deferred_init returned: the draw continues the stream,
+            # as it would right after eager construction.
+            return
+        state = get_state(gen)
+        mark = self.markers.get(tag_of(state))
+        if mark is not None and mark[0] is stream:
+            if mark[1] != index:
+                stream.same[index] = mark[1]
+        else:
+            # First draw, or user code set the generator since the last one.
+            stream.known[index] = state
+            stream.base = state
+        tag = new_tag()
+        try:
+            set_state(gen, with_tag(state, tag))
+        except RuntimeError:
+            return  # a generator whose state layout we cannot mark
+        self.markers[tag] = (stream, index + 1)
 
     def close(self) -> None:
-        """Recording stopped: remember the states the generators were left in."""
+        """Recording stopped: unmark the generators and remember their states."""
         self.open = False
-        for key in {torch.device("cpu"), *self.streams}:
+        for key, stream in self.streams.items():
+            gen = stream.generator
+            if gen is not None and stream.base is not None:
+                mark = self.markers.get(tag_of(get_state(gen)))
+                if mark is not None and mark[0] is stream:
+                    set_state(gen, stream.base)
+        self.markers.clear()
+        for key in {_CPU, *self.streams}:
             if gettable(key):
                 self.exit[key] = get_state(generator_of(key))
 
     def __repr__(self) -> str:
         return f"<Record {self.id} {self.label}>"
-
-

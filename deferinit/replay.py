@@ -48,7 +48,7 @@ class DeviceMap:
         return self.target
 
     def stream_key(self, key):
-        if isinstance(key, torch.Generator) or self.target is None:
+        if type(key) is not torch.device or self.target is None:
             return key
         return self.target
 
@@ -64,22 +64,39 @@ def real_read(inp: Input) -> bool:
 
 
 class ReplayStream:
-    """The draws one generator makes in a replay, in order, with known states."""
+    """The draws one generator makes in a replay, in order, with known states
+    (``known``) and positions whose state is an earlier one's (``same``)."""
 
-    __slots__ = ("key", "nodes", "index", "known", "generator")
+    __slots__ = ("key", "nodes", "index", "known", "same", "generator")
 
-    def __init__(self, key, nodes, known):
+    def __init__(self, key, nodes, known, same):
         self.key = key
         self.nodes = nodes
         self.index = {id(n): i for i, n in enumerate(nodes)}
         self.known = known
+        self.same = same
         self.generator = None
 
-    def nearest_known(self, k: int) -> int:
-        j = k
-        while j > 0 and j not in self.known:
-            j -= 1
-        return j
+    def needs(self, k: int):
+        """The draws to replay so that the state before draw ``k`` is known."""
+        known, same = self.known, self.same
+        while k not in known:
+            if k in same:
+                k = same[k]
+            elif k == 0:
+                return
+            else:
+                k -= 1
+                yield self.nodes[k]
+
+    def state_before(self, k: int):
+        while k in self.same:
+            k = self.same[k]
+        return self.known.get(k)
+
+    def learn(self, k: int, state) -> None:
+        if k not in self.known and k not in self.same:
+            self.known[k] = state
 
 
 def _replay_streams(streams: list[Stream], device_map: DeviceMap) -> dict:
@@ -92,7 +109,7 @@ def _replay_streams(streams: list[Stream], device_map: DeviceMap) -> dict:
     for (_, key), (record, group) in by_target.items():
         if len(group) == 1 and _same_key(group[0].key, key):
             stream = group[0]
-            rs = ReplayStream(key, stream.nodes, stream.known)
+            rs = ReplayStream(key, stream.nodes, stream.known, stream.same)
         else:
             # Draws recorded for several devices now come from one generator,
             # in recorded order, starting from its state at deferred_init entry.
@@ -101,15 +118,13 @@ def _replay_streams(streams: list[Stream], device_map: DeviceMap) -> dict:
             if 0 not in known and record is not None and key in record.entry:
                 known[0] = record.entry[key]
             nodes = sorted((n for s in group for n in s.nodes), key=lambda n: n.seq)
-            rs = ReplayStream(key, nodes, known)
+            rs = ReplayStream(key, nodes, known, {})
         for stream in group:
             result[id(stream)] = rs
     return result
 
 
 def _same_key(a, b) -> bool:
-    if isinstance(a, torch.Generator) or isinstance(b, torch.Generator):
-        return a is b
     return a == b
 
 
@@ -185,9 +200,7 @@ class Replay:
                 if node.rng is None:
                     continue
                 rs = self.streams[id(node.rng[0]())]
-                k = rs.index[id(node)]
-                for j in range(rs.nearest_known(k), k):
-                    stack.append(rs.nodes[j])
+                stack.extend(rs.needs(rs.index[id(node)]))
             drain()
             if len(needed) == before:
                 break
@@ -301,10 +314,11 @@ class Replay:
             rs = self.streams[id(node.rng[0]())]
             index = rs.index[id(node)]
             gen = self._generator(rs)
-            if index in rs.known:
-                set_state(gen, rs.known[index])
+            state = rs.state_before(index)
+            if state is not None:
+                set_state(gen, state)
             else:
-                rs.known[index] = get_state(gen)
+                rs.learn(index, get_state(gen))
             rng = (rs, index, gen)
 
         dtype_guard.set(node.default_dtype)
@@ -312,8 +326,7 @@ class Replay:
 
         if rng is not None:
             rs, index, gen = rng
-            if index + 1 not in rs.known:
-                rs.known[index + 1] = get_state(gen)
+            rs.learn(index + 1, get_state(gen))
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
@@ -346,7 +359,7 @@ class Replay:
             if 0 not in rs.known:
                 # Recorded where this generator's state could not be read
                 # (CUDA on a CPU-only build): start from its state now.
-                rs.known[0] = get_state(gen)
+                rs.learn(0, get_state(gen))
             rs.generator = gen
         return rs.generator
 

@@ -1,21 +1,37 @@
 """Random number generators: which one an op draws from, and their states.
 
-Recording draws nothing.  Instead each random node is appended to the
-*stream* of the generator it would have drawn from (the default generator of
-its device, or an explicit ``torch.Generator``), and the generator's state is
-remembered where it is known: at the first draw of the record, and again
-wherever user code reseeded between two draws.  Replay rebuilds the state
+Recording draws nothing.  Each random node is appended to the *stream* of
+the generator it would have drawn from (the default generator of its
+device, or an explicit ``torch.Generator``), and replay rebuilds the state
 before any draw from the nearest known state, re-running the draws in
-between (see :mod:`deferinit.replay`), and caches every state it passes.
+between (see :mod:`deferinit.replay`).
+
+What the record must know is where user code *set* a generator between two
+draws (``torch.manual_seed(0)`` inside a constructor, even to the seed it
+already had; ``fork_rng`` putting an older state back).  Since recording
+does not advance the generator, comparing states cannot tell.  So after
+each recorded draw the generator is *marked*: its state gets a unique tag
+in the bytes that hold the initial seed (which no draw reads).  At the next
+draw the tag says where the state came from: still the mark of the previous
+draw (a plain continuation), the mark of an earlier position (an old state
+put back: the draw starts from that position's state), or no mark at all
+(the user set a new state: it is known exactly).  When recording ends the
+generator gets back its last real state, unless the user set one after the
+last draw, which eager construction would have kept too.
 """
 
 from __future__ import annotations
 
+import itertools
+import random
 import weakref
 
 import torch
 
 from fake.device import exists, normalize
+
+# Tags are 64-bit values unlikely to be anyone's seed.
+_tags = itertools.count(random.SystemRandom().getrandbits(40) << 23)
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
@@ -34,16 +50,39 @@ def default_generator(device: torch.device) -> torch.Generator | None:
     return generators[device.index or 0]
 
 
+class GeneratorKey:
+    """Stream key of an explicit generator.
+
+    The dispatcher hands operators a new Python object for a generator the
+    user passed, so generators are told apart by their C++ object.
+    """
+
+    __slots__ = ("generator", "cdata")
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+        self.cdata = generator._cdata
+
+    def __hash__(self) -> int:
+        return hash(self.cdata)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is GeneratorKey and other.cdata == self.cdata
+
+    def __repr__(self) -> str:
+        return f"GeneratorKey({self.generator.device})"
+
+
 def generator_of(key) -> torch.Generator | None:
     """The generator behind a stream key (an explicit generator, or a device)."""
-    if isinstance(key, torch.Generator):
-        return key
+    if type(key) is GeneratorKey:
+        return key.generator
     return default_generator(key)
 
 
 def gettable(key) -> bool:
     """Whether the state behind a stream key can be read without touching a missing backend."""
-    if isinstance(key, torch.Generator):
+    if type(key) is not torch.device:
         return True
     return key.type == "cpu" or exists(key)
 
@@ -54,17 +93,15 @@ def get_state(gen: torch.Generator) -> torch.Tensor:
         return gen.get_state()
 
 
+def set_state(gen: torch.Generator, state: torch.Tensor) -> None:
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        gen.set_state(state)
+
+
 def fingerprint(state: torch.Tensor) -> bytes:
-    """The bytes of a generator state, for cheap comparisons."""
+    """The bytes of a generator state, for comparisons."""
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
         return state.numpy().tobytes()
-
-
-def set_state(gen: torch.Generator, state: torch.Tensor) -> None:
-    from fake.dispatch import no_python_dispatch
-
-    with no_python_dispatch():
-        gen.set_state(state)
 
 
 def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -73,42 +110,55 @@ def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return fingerprint(a) == fingerprint(b)
 
 
+def tag_of(state: torch.Tensor) -> int:
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        return int.from_bytes(state[:8].numpy().tobytes(), "little")
+
+
+def with_tag(state: torch.Tensor, tag: int) -> torch.Tensor:
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        marked = state.clone()
+        marked[:8] = torch.frombuffer(bytearray(tag.to_bytes(8, "little")), dtype=torch.uint8)
+        return marked
+
+
 class Stream:
     """The random nodes of one record that draw from one generator, in order.
 
-    ``known[i]`` is the generator state before ``nodes[i]`` where it is known
-    (``known[len(nodes)]`` is the state after the last draw); ``last_seen``
-    is the fingerprint of the state at the latest draw recorded.  States
-    learned at record time are exact; replay adds the ones it passes.
+    ``known[i]`` is the generator state before ``nodes[i]`` where it is
+    known (``known[len(nodes)]`` is the state after the last draw);
+    ``same[i] = j`` says the state before ``nodes[i]`` is the one before
+    ``nodes[j]`` (an older state put back).  States learned while recording
+    are exact; replay caches every state it passes in ``known``.
     """
 
-    __slots__ = ("key", "nodes", "known", "last_seen", "record", "ref", "generator", "__weakref__")
+    __slots__ = ("key", "nodes", "known", "same", "base", "record", "ref", "generator", "__weakref__")
 
     def __init__(self, key, record=None):
         self.key = key
         # Weak: the record owns its streams.
         self.record = weakref.ref(record) if record is not None else None
-        self.ref = None  # a weak reference to this stream, shared by its nodes
-        self.generator = None  # the generator whose states are recorded
+        self.ref = weakref.ref(self)  # shared by the stream's nodes
+        self.generator = generator_of(key) if gettable(key) else None
         self.nodes: list = []
         self.known: dict[int, torch.Tensor] = {}
-        self.last_seen = None
+        self.same: dict[int, int] = {}
+        # The last real (unmarked) state seen: what the generator gets back.
+        self.base = None
 
-    def append(self, node, state: torch.Tensor | None) -> int:
-        """Add a random node; ``state`` is the generator's state now (or None if unknowable)."""
-        index = len(self.nodes)
-        seen = fingerprint(state) if state is not None else None
-        if seen is not None and (index == 0 or seen != self.last_seen):
-            # First draw, or the user reseeded since the previous draw.
+    def learn(self, index: int, state: torch.Tensor) -> None:
+        """Cache the state before position ``index`` (replay calls this)."""
+        if index not in self.known and index not in self.same:
             self.known[index] = state
-        self.last_seen = seen
-        self.nodes.append(node)
-        return index
 
 
 def stream_key(func_kwargs: dict, device: torch.device):
     """The stream a random op draws from: its explicit generator, else its device."""
     gen = func_kwargs.get("generator") if func_kwargs else None
-    if isinstance(gen, torch.Generator):
-        return gen
+    if gen is not None:
+        return GeneratorKey(gen)
     return normalize(device)
+
+
+def new_tag() -> int:
+    return next(_tags)
