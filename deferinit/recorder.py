@@ -150,7 +150,7 @@ class Recorder(FakeHandler):
         node = Node("external", None, payload=t)
         node.version = t._version
         storage = Storage()
-        value = Value(node, 0, _GeometryOf(meta_twin(t), t.device), storage)
+        value = Value(node, 0, meta_twin(t), storage, t.device)
         return Input(value, None)
 
     def constant(self, real: torch.Tensor, device) -> FakeTensor:
@@ -233,24 +233,6 @@ class Recorder(FakeHandler):
             return super().data_access(operation, plain[0], compute)
         reals = evaluate(fakes, operation)
         return compute(*reals)
-
-
-class _GeometryOf:
-    """Geometry of a meta stand-in, reported on a given device (for Value)."""
-
-    __slots__ = ("shape", "dtype", "device", "_t")
-
-    def __init__(self, t, device):
-        self._t = t
-        self.shape = t.shape
-        self.dtype = t.dtype
-        self.device = device
-
-    def stride(self):
-        return self._t.stride()
-
-    def storage_offset(self):
-        return self._t.storage_offset()
 
 
 def _has_tensor(flat) -> bool:

@@ -173,7 +173,8 @@ def _sync_geometry(fake: FakeTensor) -> None:
         or fake.storage_offset() != shadow.storage_offset()
     ):
         replacement = FakeTensor(shadow, fake.device, fake.requires_grad)
-        torch.Tensor.data.__set__(fake, replacement)
+        with no_python_dispatch():  # set_data asks a (dispatched) compatibility question
+            torch.Tensor.data.__set__(fake, replacement)
 
 
 def writes_real(info: OpInfo, args, kwargs) -> bool:
@@ -232,8 +233,8 @@ class FakeHandler:
 
 def adopt(fake: FakeTensor, new: FakeTensor) -> None:
     """``fake.data = new`` for two fakes: ``fake`` now aliases ``new``."""
-    torch.Tensor.data.__set__(fake, new)
     with no_python_dispatch():
+        torch.Tensor.data.__set__(fake, new)
         fake.__dict__["_shadow"] = new._shadow.detach()
     fake.__dict__["_device"] = new.device
 

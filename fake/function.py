@@ -64,7 +64,8 @@ def parse_to(args, kwargs):
     if args and isinstance(args[0], torch.Tensor):
         other = args.pop(0)
         device, dtype = other.device, other.dtype
-    elif args and isinstance(args[0], (str, torch.device, int)):
+    elif args and (args[0] is None or isinstance(args[0], (str, torch.device, int))):
+        # Module.to passes (device, dtype, non_blocking) positionally, device maybe None.
         device = args.pop(0)
     if args and isinstance(args[0], torch.dtype):
         dtype = args.pop(0)

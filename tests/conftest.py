@@ -1,0 +1,33 @@
+"""Shared fixtures: every test leaves PyTorch's global state as it found it."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+for path in (os.path.dirname(HERE), HERE):  # the packages, and tests/helpers.py
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def _global_state():
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return (
+        torch.get_default_dtype(),
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        len(_get_current_function_mode_stack()),
+        len(_get_current_dispatch_mode_stack()),
+        torch.nn.init._no_grad_trunc_normal_,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _restores_global_state():
+    before = _global_state()
+    yield
+    assert _global_state() == before, "a test left modes, patches, default dtype or grad mode changed"

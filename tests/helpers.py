@@ -1,0 +1,76 @@
+"""Comparisons against eager PyTorch, the reference of every exactness test."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from deferinit import deferred_init
+from materialize import materialize_module, materialize_tensor
+
+
+def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by qualified name (ties listed under every name)."""
+    out = dict(module.named_parameters(remove_duplicate=False))
+    out.update(module.named_buffers(remove_duplicate=False))
+    return out
+
+
+def assert_same_tensors(eager: torch.nn.Module, deferred: torch.nn.Module) -> None:
+    """Every parameter and buffer bit-identical (dtype, shape, values), and the
+    same parameter classes, requires_grad flags and ties."""
+    a, b = named_tensors(eager), named_tensors(deferred)
+    assert a.keys() == b.keys()
+    for name in a:
+        x, y = a[name], b[name]
+        assert type(x) is type(y), (name, type(x), type(y))
+        assert x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.device.type == y.device.type, name
+        assert x.requires_grad == y.requires_grad, name
+        assert torch.equal(x.detach().cpu(), y.detach().cpu()), f"{name} differs from eager"
+    ids_a = {n: id(t) for n, t in a.items()}
+    ids_b = {n: id(t) for n, t in b.items()}
+    for n1 in a:
+        for n2 in a:
+            assert (ids_a[n1] == ids_a[n2]) == (ids_b[n1] == ids_b[n2]), f"tie {n1} / {n2} differs"
+
+
+def eager_and_deferred(ctor, *args, seed: int = 0, **kwargs):
+    """``(eager, deferred)``: the module built eagerly and with deferred_init, same seed."""
+    torch.manual_seed(seed)
+    eager = ctor(*args, **kwargs)
+    torch.manual_seed(seed)
+    deferred = deferred_init(ctor, *args, **kwargs)
+    return eager, deferred
+
+
+def materialize_in_order(module: torch.nn.Module, order: str | int = "forward") -> None:
+    """Materialize tensor by tensor: "forward", "reverse", or a shuffle seed."""
+    items = list(named_tensors(module).values())
+    unique = list({id(t): t for t in items}.values())
+    if order == "reverse":
+        unique.reverse()
+    elif order != "forward":
+        random.Random(order).shuffle(unique)
+    for t in unique:
+        assert materialize_tensor(t) is t
+
+
+def check_exact(ctor, *args, order="module", seed: int = 0, **kwargs):
+    """Build eagerly and deferred; materialize (whole module or tensor by tensor in
+    ``order``), disturbing the generator in between; assert equality with eager and,
+    for whole-module materialization, the same generator state afterwards."""
+    torch.manual_seed(seed)
+    eager = ctor(*args, **kwargs)
+    eager_next = torch.rand(8)
+    torch.manual_seed(seed)
+    deferred = deferred_init(ctor, *args, **kwargs)
+    if order == "module":
+        materialize_module(deferred)
+        assert torch.equal(torch.rand(8), eager_next), "generator not where eager left it"
+    else:
+        torch.rand(3)  # the generator moves between deferral and materialization
+        materialize_in_order(deferred, order)
+    assert_same_tensors(eager, deferred)
+    return eager, deferred
