@@ -1,9 +1,9 @@
 """Recording the calls every constructor makes, without a dispatcher round trip.
 
 Building a Llama-70B-shaped model records about three calls per parameter:
-``torch.empty`` (the factory), ``Tensor.detach`` (inside ``nn.Parameter``)
-and an in-place fill (``uniform_``/``normal_``/``fill_``/``zero_`` from
-``nn.init``).  Through the dispatcher each costs two Python round trips and
+a factory (``torch.empty``, ``zeros``, ``ones``), ``Tensor.detach`` (inside
+``nn.Parameter``) and an in-place fill (``uniform_``/``normal_``/``fill_``/
+``zero_`` from ``nn.init``).  Through the dispatcher each costs two Python round trips and
 a meta kernel (``normal_``'s is a Python decomposition costing hundreds of
 microseconds).  At the function level, before any dispatch, the result is
 fully known: these handlers build the very node the dispatch path would
@@ -63,45 +63,49 @@ _get_default_dtype = torch.get_default_dtype
 _FLOAT32 = torch.float32
 
 
-_EMPTY_KEYS = frozenset({"dtype", "device", "requires_grad", "layout", "pin_memory", "memory_format"})
+def _factory(op, keys):
+    """``torch.empty/zeros/ones(*size, dtype=, device=, requires_grad=)``."""
+    allowed = frozenset(keys)
+
+    def factory(record, args, kwargs):
+        device = dtype = None
+        requires_grad = False
+        if kwargs:
+            if not allowed.issuperset(kwargs):
+                return NotImplemented
+            if kwargs.get("layout") not in (None, _STRIDED) or kwargs.get("pin_memory"):
+                return NotImplemented
+            if kwargs.get("memory_format") not in (None, _CONTIGUOUS):
+                return NotImplemented
+            device = kwargs.get("device")
+            dtype = kwargs.get("dtype")
+            requires_grad = bool(kwargs.get("requires_grad"))
+        size = _sizes(args)
+        if size is None:
+            return NotImplemented
+        if device is None:
+            device = current_intended_device() or default_device()
+        if type(device) is not torch.device or (device.index is None and device.type != "cpu"):
+            device = normalize(device)
+        if device.type == "meta":
+            return NotImplemented
+        if dtype is None:
+            dtype = torch.get_default_dtype()
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            shadow = torch.empty(size, dtype=dtype, device=_META)
+        node = Node("op", op, [size, dtype, device, False], _FACTORY_SPEC)
+        if dtype is not torch.float32:
+            _default_dtype_node(node)
+        fake = make_fake(shadow, device, requires_grad)
+        return _attach(fake, record, node, 0, Storage(), device)
+
+    return factory
+
+
+_FACTORY_KEYS = ("dtype", "device", "requires_grad", "layout", "pin_memory")
 _CONTIGUOUS = torch.contiguous_format
-
-
-def empty(record, args, kwargs):
-    """``torch.empty(*size, dtype=, device=, requires_grad=)``."""
-    device = dtype = None
-    requires_grad = False
-    if kwargs:
-        if not _EMPTY_KEYS.issuperset(kwargs):
-            return NotImplemented
-        if kwargs.get("layout") not in (None, _STRIDED) or kwargs.get("pin_memory"):
-            return NotImplemented
-        if kwargs.get("memory_format") not in (None, _CONTIGUOUS):
-            return NotImplemented
-        device = kwargs.get("device")
-        dtype = kwargs.get("dtype")
-        requires_grad = bool(kwargs.get("requires_grad"))
-    size = _sizes(args)
-    if size is None:
-        return NotImplemented
-    if device is None:
-        device = current_intended_device() or default_device()
-    if type(device) is not torch.device or (device.index is None and device.type != "cpu"):
-        device = normalize(device)
-    if device.type == "meta":
-        return NotImplemented
-    if dtype is None:
-        dtype = torch.get_default_dtype()
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        shadow = torch.empty(size, dtype=dtype, device=_META)
-    node = Node("op", _EMPTY, [size, dtype, device, False], _EMPTY_SPEC)
-    if dtype is not torch.float32:
-        _default_dtype_node(node)
-    fake = make_fake(shadow, device, requires_grad)
-    return _attach(fake, record, node, 0, Storage(), device)
-
-
-_EMPTY_SPEC = flatten((None,), {"dtype": None, "device": None, "pin_memory": False})[1]
+# The flattened form of op(size, dtype=, device=, pin_memory=), size a leaf.
+_FACTORY_SPEC = flatten((None,), {"dtype": None, "device": None, "pin_memory": False})[1]
 
 
 def detach(record, args, kwargs):
@@ -188,7 +192,9 @@ def _fill(op):
 
 
 FAST = {
-    torch.empty: empty,
+    torch.empty: _factory(_EMPTY, (*_FACTORY_KEYS, "memory_format")),
+    torch.zeros: _factory(aten.zeros.default, _FACTORY_KEYS),
+    torch.ones: _factory(aten.ones.default, _FACTORY_KEYS),
     torch.Tensor.detach: detach,
     torch.Tensor.uniform_: _fill(aten.uniform_.default),
     torch.Tensor.normal_: _fill(aten.normal_.default),

@@ -110,16 +110,21 @@ def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return fingerprint(a) == fingerprint(b)
 
 
+# numpy()/from_numpy() dispatch small ops that an active mode would take
+# over (from_numpy even lifts the array to a recorded constant): keep the
+# modes out.
+
+
 def tag_of(state: torch.Tensor) -> int:
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        return int.from_bytes(state[:8].numpy().tobytes(), "little")
+        return int.from_bytes(state.numpy()[:8].tobytes(), "little")
 
 
 def with_tag(state: torch.Tensor, tag: int) -> torch.Tensor:
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        marked = state.clone()
-        marked[:8] = torch.frombuffer(bytearray(tag.to_bytes(8, "little")), dtype=torch.uint8)
-        return marked
+        marked = state.numpy().copy()
+        marked[:8] = memoryview(tag.to_bytes(8, "little"))
+        return torch.from_numpy(marked)
 
 
 class Stream:

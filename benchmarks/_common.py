@@ -1,0 +1,82 @@
+"""Shared helpers for the benchmark scripts: timing, memory, tables, subprocesses.
+
+Benchmarks print side-by-side figures and ratios in one run; they are not
+tests (no assertion on time: machines are shared and noisy).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed(fn, repeat: int = 5, warmup: int = 1):
+    """``(best seconds, median seconds, last result)`` of ``fn()`` called ``repeat`` times after a warm-up."""
+    result = None
+    for _ in range(warmup):
+        result = fn()
+        del result
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+        if _ != repeat - 1:
+            del result
+    return min(times), statistics.median(times), result
+
+
+def table(headers, rows) -> str:
+    """A GitHub-flavoured markdown table."""
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def machine() -> str:
+    import torch
+
+    cpus = os.cpu_count()
+    return f"{platform.processor() or platform.machine()}, {cpus} CPUs, Python {platform.python_version()}, torch {torch.__version__}"
+
+
+def run_child(script: str, *args: str, timeout: float = 1800) -> dict:
+    """Run ``script`` in a fresh interpreter; it prints one JSON object as its last line."""
+    out = subprocess.run(
+        [sys.executable, script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1"},
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
