@@ -134,8 +134,8 @@ def _fill(op):
     params = [a for a in op._schema.arguments[1:] if not a.kwarg_only]
     names = [a.name for a in params]
     defaults = [a.default_value for a in params]
-    checked = info.checked_dtypes
     random = info.random
+    skip_meta = info.skip_meta
     specs: dict = {}
 
     def fill(record, args, kwargs):
@@ -148,8 +148,6 @@ def _fill(op):
             return NotImplemented
         if self.requires_grad and torch.is_grad_enabled():
             return NotImplemented  # eager raises for a leaf; let it
-        if self.dtype not in checked:
-            return NotImplemented  # the meta kernel checks the dtype once
         scalars = list(args[1:])
         generator = None
         if kwargs:
@@ -169,8 +167,12 @@ def _fill(op):
         for x in scalars:
             if type(x) is not float and type(x) is not int and type(x) is not bool:
                 return NotImplemented
-        if scalars:
-            info.check_scalars((self, *scalars), {})
+        if skip_meta:
+            info.check(self.dtype, (self, *scalars), {})
+        else:
+            # fill_/zero_: their meta kernels are cheap C++ and check the value.
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                op(d["_shadow"], *scalars)
         shape = (len(scalars), generator is not None)
         spec = specs.get(shape)
         if spec is None:

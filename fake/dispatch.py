@@ -118,10 +118,10 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         else:
             device = common_device(info.opname, tensor_devices) or CPU
 
-    if info.skip_meta and metas[0].dtype in info.checked_dtypes:
-        # An in-place fill: the result is the input, geometry unchanged.
-        info.check_scalars(args, kwargs)
+    if info.skip_meta and isinstance(args[0], FakeTensor):
+        # An in-place random fill: the result is the input, geometry unchanged.
         owner = args[0]
+        info.check(owner.dtype, args, kwargs)
         return Call(info, flat, spec, owner, device, [owner], [], [owner])
 
     margs, mkwargs = unflatten(metas, spec)
@@ -134,9 +134,6 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
             f"shape depends on the data ({str(e).splitlines()[0][:200]}). Run it on real "
             "tensors instead (materialize them first)."
         ) from None
-    if info.skip_meta:
-        info.checked_dtypes.add(metas[0].dtype)
-
     mutated: list = []
     fresh: list = []
     if device.type == "meta":

@@ -174,7 +174,7 @@ def test_graph_is_reachable_from_a_tensor_and_prints_one_op_per_line():
     g = graph_of(m.weight)
     lines = str(g).splitlines()
     assert len(lines) == len(g.nodes) == 5
-    assert lines[2].startswith("%2 = aten.normal_(%1)")
+    assert lines[2] == "%2 = aten.normal_(%1, 0, 1)  # tensor"
     assert lines[3] == "%3 = aten.select.int(%2, 0, 0)"
     assert lines[4] == "%4 = aten.fill_.Scalar(%3, 0)  # tensor"
     assert graph_of(torch.ones(2)).nodes == []
