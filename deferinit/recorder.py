@@ -47,12 +47,17 @@ class Recorder(FakeHandler):
             return self._data_op(func, args, kwargs)
         if func in LIFT_OPS and not isinstance(args[0], FakeTensor) and args[0].device.type != "meta":
             return self.constant(args[0], args[0].device)
+        if func.namespace in COLLECTIVE_NAMESPACES:  # c10d ops: see deferinit/collectives.py
+            return record_collective(self, func, args, kwargs)
         info = op_info(func)
         if writes_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
         record = context if context is not None else _record_of(args, kwargs)
 
-        call = run(func, args, kwargs, info)
+        try:
+            call = run(func, args, kwargs, info)
+        except NotImplementedError as e:
+            raise NotImplementedError(f"{e} (while constructing {_where()})") from None
         if call.device.type == "meta":
             return call.out
 
@@ -266,6 +271,7 @@ def current_record():
 
 
 from .fastpath import FAST  # noqa: E402
+from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective  # noqa: E402
 
 Recorder.fast = FAST
 RECORDER = Recorder()

@@ -1,0 +1,52 @@
+"""Runs every benchmark and writes docs/benchmarks.md from their output.
+
+``python benchmarks/run_all.py`` (or ``make bench``).  Each benchmark is a
+script with a ``main() -> str`` that prints a markdown table when run alone;
+the figures in the docs are exactly what they print.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+DOCS = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
+
+# (title, script module, what it shows)
+BENCHMARKS = [
+    ("Deferring a 70B model", "defer_70b", "Construction time and memory of a Llama-3-70B-shaped model: meta device, deferred_init, FakeTensorMode."),
+    ("Materializing against eager construction", "materialize_speed", "Time and peak RSS of deferred_init + materialize_module against eager construction, each in a fresh process."),
+    ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
+    ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),
+]
+
+
+def main() -> None:
+    parts = [
+        "# Benchmarks",
+        "",
+        "Produced by `python benchmarks/run_all.py` on "
+        f"{datetime.date.today().isoformat()}; every table below is the output of the script named in its heading. "
+        "These machines are shared and noisy: figures vary by several percent from run to run.",
+        "",
+    ]
+    for title, name, what in BENCHMARKS:
+        path = os.path.join(HERE, f"{name}.py")
+        if not os.path.exists(path):
+            continue
+        print(f"running {name} ...", flush=True)
+        module = importlib.import_module(name)
+        output = module.main()
+        print(output, flush=True)
+        parts += [f"## {title} (`benchmarks/{name}.py`)", "", what, "", output, ""]
+    with open(DOCS, "w") as f:
+        f.write("\n".join(parts).rstrip() + "\n")
+    print(f"wrote {DOCS}")
+
+
+if __name__ == "__main__":
+    main()
