@@ -8,7 +8,9 @@ Example::
     >>> m = deferred_init(torch.nn.Linear, 8192, 8192, device="cuda")
     >>> is_deferred(m)
     True
-    >>> materialize_module(m, device="cpu")   # same values as eager, on CPU
+    >>> m = materialize_module(m, device="cpu")   # same values as eager, on CPU
+    >>> m.weight.device, is_deferred(m)
+    (device(type='cpu'), False)
 """
 
 from .errors import (

@@ -5,7 +5,7 @@ Example::
     >>> import torch
     >>> from deferinit import deferred_init
     >>> from materialize import materialize_module
-    >>> torch.manual_seed(0)
+    >>> _ = torch.manual_seed(0)
     >>> m = deferred_init(torch.nn.Linear, 4, 4)
     >>> materialize_module(m).weight.is_meta
     False

@@ -77,8 +77,8 @@ def materialize_module(
 
     Example::
 
-        >>> torch.manual_seed(0); eager = torch.nn.Transformer(d_model=64, nhead=4)
-        >>> torch.manual_seed(0); m = deferred_init(torch.nn.Transformer, d_model=64, nhead=4)
+        >>> _ = torch.manual_seed(0); eager = torch.nn.Transformer(d_model=64, nhead=4)
+        >>> _ = torch.manual_seed(0); m = deferred_init(torch.nn.Transformer, d_model=64, nhead=4)
         >>> materialize_module(m) is m
         True
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
@@ -100,7 +100,10 @@ def materialize_module(
                 targets.append((names.get(id(t), "?"), fake))
     if targets:
         complete = check_fn is None and not buffers_only
-        _materialize(targets, device=device, inference=inference, progress=progress, complete=complete)
+        from .distributed import materialize_sharded  # DTensor/FSDP2 modules: shard by shard
+
+        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress, complete=complete):
+            _materialize(targets, device=device, inference=inference, progress=progress, complete=complete)
     return module
 
 
@@ -143,14 +146,24 @@ def _streams_to_finish(records) -> list:
     nodes = []
     for record in records:
         for key, stream in record.streams.items():
-            if not stream.nodes or len(stream.nodes) in stream.known:
+            end = _end_of(stream)
+            if not stream.nodes or end in stream.known:
                 continue
             exit_state = record.exit.get(key)
             gen = generator_of(key) if exit_state is not None else None
             if gen is None or not same_state(get_state(gen), exit_state):
                 continue
-            nodes.append(stream.nodes[-1])
+            nodes.append(stream.nodes[end - 1])
     return nodes
+
+
+def _end_of(stream) -> int:
+    """The position whose state eager construction left the generator in (the
+    end of the stream, or an earlier one put back after the last draw)."""
+    end = len(stream.nodes)
+    while end in stream.same:
+        end = stream.same[end]
+    return end
 
 
 def _hand_over_generators(replay: Replay, records) -> None:
@@ -158,7 +171,7 @@ def _hand_over_generators(replay: Replay, records) -> None:
     from it since deferral and the replay now knows that state."""
     for record in records:
         for key, stream in record.streams.items():
-            post = stream.known.get(len(stream.nodes))
+            post = stream.known.get(_end_of(stream))
             exit_state = record.exit.get(key)
             if post is None or exit_state is None:
                 continue

@@ -1,0 +1,57 @@
+"""The examples in the docstrings run and print what they say."""
+
+import doctest
+import importlib
+import warnings
+
+import pytest
+import torch
+
+MODULES = [
+    "fake",
+    "fake.tensor",
+    "fake.mode",
+    "fake.device",
+    "fake.errors",
+    "deferinit",
+    "deferinit.session",
+    "deferinit.view",
+    "deferinit.replay",
+    "materialize",
+    "materialize.api",
+]
+
+
+def _globals(module):
+    from deferinit import deferred_init, graph_of, is_deferred
+    from fake import FakeTensor, fake_mode, is_fake, meta_like
+    from materialize import materialize_module, materialize_tensor
+
+    names = dict(vars(module))
+    names.update(
+        torch=torch,
+        deferred_init=deferred_init,
+        is_deferred=is_deferred,
+        graph_of=graph_of,
+        materialize_module=materialize_module,
+        materialize_tensor=materialize_tensor,
+        fake_mode=fake_mode,
+        is_fake=is_fake,
+        meta_like=meta_like,
+        FakeTensor=FakeTensor,
+    )
+    return names
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = doctest.testmod(
+            module,
+            globs=_globals(module),
+            optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE,
+            report=False,
+        )
+    assert result.failed == 0, f"{result.failed} docstring examples of {name} failed (run doctest on it to see)"
