@@ -71,7 +71,7 @@ class Recorder(FakeHandler):
                 if isinstance(x, FakeTensor):
                     node_flat[i] = self._read(x, func, record)
                 elif x.device.type != "meta":
-                    node_flat[i] = self.external(x, record, func)
+                    node_flat[i] = self.external(x, func)
             elif type(x) is torch.device:
                 # The device meant, not the meta it was rewritten to.
                 node_flat[i] = call.device
@@ -142,8 +142,12 @@ class Recorder(FakeHandler):
                     )
                 fake.__dict__["_value"] = Value(node, pos, fake, fake._storage)
 
-    def external(self, t: torch.Tensor, record, func=None) -> Input:
+    def external(self, t: torch.Tensor, func=None) -> Input:
         """A read of a real tensor from outside, kept by reference with its version."""
+        value, _ = self._external_value(t, func)
+        return Input(value, None)
+
+    def _external_value(self, t: torch.Tensor, func=None):
         if t.is_inference():
             raise InferenceTensorInputError(
                 f"{func or 'an operation'} inside deferred_init used an inference tensor "
@@ -155,12 +159,12 @@ class Recorder(FakeHandler):
         node = Node("external", None, payload=t)
         node.version = t._version
         storage = Storage()
-        value = Value(node, 0, meta_twin(t), storage, t.device)
-        return Input(value, None)
+        return Value(node, 0, meta_twin(t), storage, t.device), storage
 
-    def constant(self, real: torch.Tensor, device) -> FakeTensor:
-        """A fake holding a copy of ``real`` (a constant of the record) on ``device``."""
-        record = current_record()
+    def constant(self, real: torch.Tensor, device, like: FakeTensor | None = None) -> FakeTensor:
+        """A fake holding a copy of ``real`` (a constant of the record) on ``device``,
+        in the record of ``like`` if given, else the one being recorded."""
+        record = like._record if like is not None and like._record is not None else current_record()
         with no_python_dispatch():
             payload = real.detach().clone()
         node = Node("constant", torch.device(device) if not isinstance(device, torch.device) else device, payload=payload)
@@ -168,8 +172,8 @@ class Recorder(FakeHandler):
         storage = Storage()
         return attach(fake, record, Value(node, 0, fake, storage), storage)
 
-    def lift(self, real, device):
-        return self.constant(real, device)
+    def lift(self, real, device, like=None):
+        return self.constant(real, device, like)
 
     def opaque(self, fn, tensor: FakeTensor, args: tuple, kwargs: dict) -> FakeTensor:
         """Record ``fn(tensor, *args, **kwargs)`` as one call that writes ``tensor``
@@ -182,7 +186,7 @@ class Recorder(FakeHandler):
         flat, spec = flatten((tensor, *args), kwargs)
         node_flat = [
             self._read(x, fn, record) if isinstance(x, FakeTensor)
-            else self.external(x, record, fn) if isinstance(x, torch.Tensor)
+            else self.external(x, fn) if isinstance(x, torch.Tensor)
             else x
             for x in flat
         ]
@@ -211,9 +215,8 @@ class Recorder(FakeHandler):
         attach(fake, new._record, new._value, new._storage)
 
     def _wrap_external(self, t: torch.Tensor, record) -> FakeTensor:
-        read = self.external(t, record)
-        fake = FakeTensor(meta_twin(t), t.device)
-        return attach(fake, record, read.value, read.value.storage or Storage())
+        value, storage = self._external_value(t, "tensor.data =")
+        return attach(FakeTensor(meta_twin(t), t.device), record, value, storage)
 
     # -- data -------------------------------------------------------------------
 

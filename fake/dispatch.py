@@ -211,8 +211,8 @@ class FakeHandler:
         with no_python_dispatch():
             return func(*args, **kwargs)
 
-    def lift(self, real: torch.Tensor, device) -> FakeTensor:
-        """A fake standing for real tensor ``real`` moved to ``device``."""
+    def lift(self, real: torch.Tensor, device, like=None) -> FakeTensor:
+        """A fake standing for real tensor ``real`` moved to ``device`` (made for ``like``)."""
         return FakeTensor(meta_twin(real), device)
 
     def data_access(self, operation, fake, compute):

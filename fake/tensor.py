@@ -260,7 +260,7 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout
 
         with no_python_dispatch():
             real = torch.tensor(data, dtype=dtype)
-        result = handlers.for_args((self,), None).lift(real, device)
+        result = handlers.for_args((self,), None).lift(real, device, self)
     if requires_grad:
         result.requires_grad_(True)
     return result
