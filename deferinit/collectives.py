@@ -1,0 +1,328 @@
+"""Collectives on deferred tensors: recorded as what they compute on this rank.
+
+``distribute_tensor`` and ``parallelize_module`` (with their default
+``src_data_rank=0``) make every rank's shard out of rank 0's data: a
+``c10d.scatter_`` for ``Shard``, a ``c10d.broadcast_`` for ``Replicate``.
+A collective cannot be replayed faithfully (every rank would have to
+materialize the same tensors in the same order, at the same moment), and
+it need not be: every rank runs the same program, so when the tensor rank
+0 sends has the same recipe on this rank, its values are the ones this
+rank already has.  So, at the moment the collective is issued (all ranks
+are in it), the ranks exchange a fingerprint of the source tensor's recipe
+(its operators, arguments, constants and the generator states its random
+draws start from) in one small ``all_gather``; if they agree, the
+collective is recorded as its local equivalent:
+
+* ``broadcast_`` changes nothing (the tensor already holds the root's values);
+* ``scatter_`` becomes ``output.copy_(piece)``, ``piece`` being this rank's
+  piece of its own copy of the source, padded as the root pads it.  The
+  source is found from the output, which DTensor allocates like one of the
+  pieces (``empty_like``) that it split off the source; the pieces
+  themselves only reach the collective on the root.
+
+If they disagree (ranks seeded differently, or rank-dependent code), a
+:class:`CollectiveError` says so, on every rank at once.  Every other
+collective on a deferred tensor (an ``all_gather`` by ``full_tensor()``,
+``redistribute``...) needs values that do not exist yet and raises too.
+
+Example::
+
+    >>> torch.manual_seed(0)                       # the same seed on every rank
+    >>> mlp = deferred_init(MLP)
+    >>> parallelize_module(mlp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    >>> materialize_module(mlp)                    # each shard equals eager's slice
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from fake.dispatch import no_python_dispatch, run
+from fake.tensor import FakeTensor
+
+from .errors import RecordingError
+from .graph import Input
+
+# Operator namespaces of collectives (ProcessGroup ops and functional collectives).
+NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
+
+
+class CollectiveError(RecordingError):
+    """A collective on deferred tensors cannot be recorded as a local operation."""
+
+
+def record_collective(recorder, func, args, kwargs):
+    """Record collective ``func`` on deferred fakes (called by the recorder)."""
+    bound = _bind(func, args, kwargs)
+    name = func._schema.name
+    if name == "c10d::broadcast_":
+        return _broadcast(func, args, kwargs, bound)
+    if name == "c10d::scatter_":
+        return _scatter(func, args, kwargs, bound)
+    raise CollectiveError(
+        f"{func} on a deferred tensor: a collective needs the values of the tensors it "
+        "exchanges, which do not exist before materialization. Materialize the tensors first "
+        "(materialize_module / materialize_tensor), then communicate. (Only the scatter and "
+        "broadcast that distribute_tensor issues are recorded, as local operations.)"
+    )
+
+
+def _bind(func, args, kwargs) -> dict:
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        else:
+            bound[a.name] = a.default_value
+    return bound
+
+
+def _group(boxed):
+    from torch._C._distributed_c10d import ProcessGroup
+
+    return ProcessGroup.unbox(boxed) if isinstance(boxed, torch.ScriptObject) else boxed
+
+
+def _require_deferred(tensors, func) -> None:
+    for t in tensors:
+        if not (isinstance(t, FakeTensor) and t._record is not None):
+            raise CollectiveError(
+                f"{func} mixes deferred tensors with real or plain fake ones; it cannot be "
+                "recorded. Materialize the deferred tensors first."
+            )
+
+
+def _broadcast(func, args, kwargs, bound):
+    tensors = list(bound["tensors"])
+    _require_deferred(tensors, func)
+    group = _group(bound["process_group"])
+    root = bound["root_rank"]
+    mine = [fingerprint(t) for t in tensors]
+    gathered = _all_gather(group, mine)
+    bad = [r for r, fps in enumerate(gathered) if fps != gathered[root]]
+    if bad:
+        raise _disagreement("broadcast", bad, root)
+    # Nothing to record: every rank already holds the root's values.
+    return run(func, args, kwargs).out
+
+
+def _scatter(func, args, kwargs, bound):
+    outputs = list(bound["output_tensors"])
+    group = _group(bound["process_group"])
+    root = bound["root_rank"]
+    me, size = group.rank(), group.size()
+    if len(outputs) != 1:
+        raise CollectiveError(f"{func} with {len(outputs)} output tensors cannot be recorded")
+    out = outputs[0]
+    _require_deferred([out], func)
+    source, split_size, dim = _split_source(out, func)
+    gathered = _all_gather(group, [fingerprint(source)])
+    bad = [r for r in range(size) if gathered[r] != gathered[root]]
+    if bad:
+        raise _disagreement("scatter", bad, root)
+    result = run(func, args, kwargs).out  # the (meta) work object; nothing recorded
+    with torch.no_grad():
+        pieces = torch.split(source, split_size, dim)
+        if me < len(pieces):
+            piece = pieces[me]
+        else:
+            shape = list(source.shape)
+            shape[dim] = 0
+            piece = source.new_zeros(shape)
+        missing = out.shape[dim] - piece.shape[dim]
+        if missing:
+            piece = torch.constant_pad_nd(piece, [0, 0] * (piece.dim() - 1 - dim) + [0, missing], 0)
+        out.copy_(piece)  # recorded: this rank's own piece, as the root would pad it
+    return result
+
+
+# Operators DTensor applies to a piece of the split source before scattering it.
+_PIECE_OPS = frozenset({"aten::clone", "aten::contiguous", "aten::constant_pad_nd", "aten::alias", "aten::detach"})
+
+
+def _split_source(out: FakeTensor, func):
+    """``(source, split_size, dim)``: the tensor DTensor split into the scatter's
+    pieces, found from the output, which it allocates like one of the pieces
+    (``empty_like``).  Raises :class:`CollectiveError` for any other pattern."""
+    from fake.flat import unflatten
+
+    def fail(why):
+        return CollectiveError(
+            f"{func}: {why}, so the piece this rank receives cannot be recorded as a local "
+            "operation. Pass src_data_rank=None to distribute_tensor / parallelize_module "
+            "(every rank then keeps its own piece of its own copy, which is the same when "
+            "every rank is seeded the same)."
+        )
+
+    node = out._value.node
+    if node.kind != "op" or node.target is not torch.ops.aten.empty_like.default:
+        raise fail("the output was not allocated with empty_like from a piece of the source")
+    read = next((x for x in node.flat if type(x) is Input), None)
+    for _ in range(16):
+        if read is None:
+            raise fail("the output was not allocated from a piece of the source")
+        node = read.value.node
+        name = node.target._schema.name if node.kind == "op" else ""
+        if name in _PIECE_OPS:
+            read = next((x for x in node.flat if type(x) is Input), None)
+            continue
+        break
+    if name != "aten::split" or node.target is not torch.ops.aten.split.Tensor:
+        raise fail("the pieces were not made by splitting one tensor")
+    (source_read, split_size, *rest), kwargs = unflatten(list(node.flat), node.spec)
+    dim = rest[0] if rest else kwargs.get("dim", 0)
+    value = source_read.value
+    storage = value.storage
+    if storage is None or storage.head is not source_read.version:
+        raise fail("the split tensor was written since")
+    with no_python_dispatch():
+        extent = 0 if 0 in value.size else 1 + sum((n - 1) * s for n, s in zip(value.size, value.stride))
+        shadow = torch.empty(value.offset + extent, dtype=value.dtype, device="meta").as_strided(
+            value.size, value.stride, value.offset
+        )
+    source = FakeTensor(shadow, value.device)
+    d = source.__dict__
+    d["_record"] = out._record
+    d["_value"] = value
+    d["_storage"] = storage
+    return source, split_size, dim % max(1, len(value.size))
+
+
+def _all_gather(group, values: list[int]) -> list[list[int]]:
+    import torch.distributed as dist
+
+    with no_python_dispatch():
+        mine = torch.tensor(values, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(group.size())]
+        dist.all_gather(everyone, mine, group=group)
+        return [t.tolist() for t in everyone]
+
+
+def _disagreement(what: str, ranks, root) -> CollectiveError:
+    return CollectiveError(
+        f"distributing a deferred tensor by {what} from rank {root}: the tensor has another recipe "
+        f"on rank(s) {ranks} than on rank {root} (another seed, or rank-dependent code before it), "
+        f"so the values rank {root} would send cannot be reproduced there. Seed every rank the same "
+        "before deferred_init, or pass src_data_rank=None to distribute_tensor / "
+        "parallelize_module to keep each rank's own values."
+    )
+
+
+# -- fingerprints ---------------------------------------------------------------------
+
+
+def fingerprint(fake: FakeTensor) -> int:
+    """A 63-bit digest of the recipe of deferred ``fake`` as it is now: equal on two
+    ranks when replaying it gives the same values there.
+
+    Example::
+
+        >>> torch.manual_seed(0); a = deferred_init(torch.randn, 3)
+        >>> torch.manual_seed(0); b = deferred_init(torch.randn, 3)
+        >>> fingerprint(a) == fingerprint(b)
+        True
+    """
+    text = repr(recipe(fake)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def recipe(fake: FakeTensor) -> list:
+    """The recipe of deferred ``fake``: one tuple of plain values per node of its
+    closure (inputs first), then the read of ``fake`` itself."""
+    read = Input(fake._value, fake._storage.head)
+    order = _closure(read)
+    number = {id(n): i for i, n in enumerate(order)}
+    items = [_describe_node(node, number) for node in order]
+    items.append(("target", _describe_input(read, number)))
+    return items
+
+
+def _closure(read: Input) -> list:
+    """The nodes ``read`` depends on, inputs before the nodes reading them, in a
+    deterministic order (no recursion: write chains can be long)."""
+    order: list = []
+    done: set = set()
+    stack = [(n, False) for n in _inputs_nodes(read)]
+    while stack:
+        node, expanded = stack.pop()
+        if id(node) in done:
+            continue
+        if expanded:
+            done.add(id(node))
+            order.append(node)
+            continue
+        stack.append((node, True))
+        for x in reversed(node.flat):
+            if type(x) is Input:
+                for dep in reversed(_inputs_nodes(x)):
+                    if id(dep) not in done:
+                        stack.append((dep, False))
+    return order
+
+
+def _inputs_nodes(read: Input) -> list:
+    nodes = [read.value.node]
+    if read.version is not None:
+        nodes.append(read.version)
+    return nodes
+
+
+def _describe_input(read: Input, number) -> tuple:
+    v = read.value
+    version = number.get(id(read.version), -1) if read.version is not None else -1
+    return (number[id(v.node)], v.index, v.size, v.stride, v.offset, str(v.dtype), version)
+
+
+def _describe_node(node, number) -> tuple:
+    parts = [node.kind, node.name]
+    if node.kind in ("constant", "external"):
+        parts.append(("data", _tensor_digest(node.payload), node.version))
+    parts.extend(_describe_arg(x, number) for x in node.flat)
+    if node.rng is not None:
+        parts.append(("rng", _draw_origin(node.rng[0](), node.rng[1])))
+    return tuple(parts)
+
+
+def _describe_arg(x, number):
+    if type(x) is Input:
+        return ("in", _describe_input(x, number))
+    if x is None or isinstance(x, (bool, int, float, str, complex)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return tuple(_describe_arg(y, number) for y in x)
+    if isinstance(x, (torch.device, torch.dtype, torch.layout, torch.memory_format)):
+        return str(x)
+    if isinstance(x, torch.Size):
+        return tuple(x)
+    return ("object", type(x).__name__)
+
+
+def _draw_origin(stream, index: int) -> tuple:
+    """Where the state before draw ``index`` comes from: the nearest known state and
+    how many draws after it."""
+    if stream is None:
+        return ("gone",)
+    key = stream.key
+    key_text = str(key) if isinstance(key, torch.device) else type(key).__name__
+    k, distance = index, 0
+    while k not in stream.known:
+        if k in stream.same:
+            k = stream.same[k]
+        elif k == 0:
+            return (key_text, distance, b"")
+        else:
+            k -= 1
+            distance += 1
+    return (key_text, distance, _tensor_digest(stream.known[k]))
+
+
+def _tensor_digest(t) -> bytes:
+    if not isinstance(t, torch.Tensor):
+        return repr(t).encode()
+    with no_python_dispatch():
+        data = t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.blake2b(data, digest_size=8).digest() + repr((tuple(t.shape), str(t.dtype))).encode()
