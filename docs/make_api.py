@@ -91,6 +91,8 @@ def _markdown(doc: str) -> str:
             out.append("")
             out.append("```python")
             i += 1
+            while i < len(lines) and not lines[i].strip():
+                i += 1
             while i < len(lines) and (not lines[i].strip() or lines[i].startswith("    ")):
                 out.append(lines[i][4:] if lines[i].startswith("    ") else "")
                 i += 1
