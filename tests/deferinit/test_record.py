@@ -530,3 +530,96 @@ def test_node_value_storage_types():
     assert isinstance(value, Value) and isinstance(storage, Storage) and isinstance(value.node, Node)
     assert value.storage is storage
     assert (value.size, value.dtype, value.device) == ((2, 2), torch.float32, torch.device("cpu"))
+
+
+# -- reading the records of common modules ------------------------------------------------
+
+
+def history(graph, name):
+    """Op names (aten overload packets) of the nodes that made and wrote ``name``."""
+    return [n.target._opname if n.kind == "op" else n.kind for n in graph.nodes if name in graph.labels.get(id(n), [])]
+
+
+def test_lstm_record():
+    m = deferred_init(torch.nn.LSTM, 4, 6, num_layers=2)
+    g = graph_of(m)
+    for name, _ in m.named_parameters():
+        assert history(g, name) == ["detach", "uniform_"], name  # empty -> Parameter -> reset_parameters
+    assert sum(1 for n in g.nodes if n.rng is not None) == len(list(m.parameters()))
+    check_exact(torch.nn.LSTM, 4, 6, num_layers=2)
+
+
+def test_multihead_attention_record():
+    m = deferred_init(torch.nn.MultiheadAttention, 16, 4)
+    g = graph_of(m)
+    assert history(g, "in_proj_weight") == ["detach", "uniform_"]  # xavier_uniform_
+    assert history(g, "in_proj_bias") == ["detach", "fill_"]  # constant_(0)
+    assert history(g, "out_proj.bias") == ["detach", "uniform_", "fill_"]  # Linear init, then constant_(0)
+    check_exact(torch.nn.MultiheadAttention, 16, 4)
+
+
+def test_rope_record_is_computation_not_random():
+    class Rotary(torch.nn.Module):
+        def __init__(self, dim=8, base=10000.0, length=16):
+            super().__init__()
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            freqs = torch.outer(torch.arange(length).float(), inv_freq)
+            self.register_buffer("cos", torch.cat((freqs, freqs), -1).cos())
+
+    m = deferred_init(Rotary)
+    g = graph_of(m)
+    ops = [n.target._opname for n in g.nodes if n.kind == "op"]
+    assert {"arange", "pow", "cat", "cos"} <= set(ops)
+    assert all(n.rng is None for n in g.nodes)
+    check_exact(Rotary)
+
+
+def test_tied_weights_are_one_tensor_in_the_record():
+    def tied():
+        emb = torch.nn.Embedding(10, 4)
+        head = torch.nn.Linear(4, 10, bias=False)
+        head.weight = emb.weight
+        return torch.nn.Sequential(emb, head)
+
+    m = deferred_init(tied)
+    assert m[0].weight is m[1].weight
+    g = graph_of(m)
+    normal = next(n for n in g.nodes if n.kind == "op" and n.target._opname == "normal_")
+    assert g.labels[id(normal)] == ["0.weight"]
+    # the head's own init drew too (eagerly it did, before the tie): the draw
+    # stays in the record's random stream, though no tensor needs its result
+    stream = m[0].weight._record.streams[torch.device("cpu")]
+    assert [n.target._opname for n in stream.nodes] == ["normal_", "uniform_"]
+    assert [n.target._opname for n in g.nodes if n.rng is not None] == ["normal_"]
+    check_exact(tied)
+
+
+def test_llama_record_from_a_small_config():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )
+    m = deferred_init(transformers.LlamaForCausalLM, config)
+    assert is_deferred(m)
+    g = graph_of(m)
+    # transformers re-initialises every Linear with normal_(0, initializer_range) in post_init
+    assert history(g, "model.layers.0.self_attn.q_proj.weight")[-1] == "normal_"
+    assert history(g, "model.norm.weight")[-1] == "fill_"
+    rope = [name for name, _ in m.named_buffers()]
+    assert all(is_deferred(b) for b in m.buffers()) and rope
+    check_exact(transformers.LlamaForCausalLM, config)
+
+
+def test_non_callable_is_a_type_error():
+    with pytest.raises(TypeError, match="callable"):
+        deferred_init(torch.nn.Linear(2, 2).weight)
+
+
+def test_recording_time_values_have_a_size_limit(monkeypatch):
+    from deferinit import evaluate
+
+    monkeypatch.setattr(evaluate, "LIMIT_BYTES", 1024)
+    with pytest.raises(DataDependentError, match="LIMIT_BYTES"):
+        deferred_init(lambda: torch.randn(1000).sum().item())
+    assert deferred_init(lambda: torch.ones(4).sum().item()) == 4.0
