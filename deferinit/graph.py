@@ -138,9 +138,14 @@ class Value:
         return self._storage()
 
     def same_geometry(self, t: torch.Tensor) -> bool:
+        # The stride of a dimension of size 1 addresses nothing, and meta
+        # kernels may choose another one than CPU kernels do (zeros_like of
+        # a permuted tensor): ignore it, or a real tensor would never be
+        # recognised as its value and later views would lose their aliasing.
+        size = tuple(t.shape)
         return (
-            self.size == tuple(t.shape)
-            and self.stride == tuple(t.stride())
+            self.size == size
+            and all(a == b or n == 1 for a, b, n in zip(self.stride, t.stride(), size))
             and self.offset == t.storage_offset()
             and self.dtype == t.dtype
         )

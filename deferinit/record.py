@@ -77,6 +77,15 @@ class Record:
                 mark = self.markers.get(tag_of(get_state(gen)))
                 if mark is not None and mark[0] is stream:
                     set_state(gen, stream.base)
+                    if mark[1] != len(stream.nodes):
+                        # An older state put back after the last draw (fork_rng).
+                        stream.known.pop(len(stream.nodes), None)
+                        stream.same[len(stream.nodes)] = mark[1]
+                else:
+                    # The user set the generator after the last draw
+                    # (manual_seed, fork_rng): eager construction ends there,
+                    # whatever a replay for .item() learned about that position.
+                    stream.known[len(stream.nodes)] = get_state(gen)
         self.markers.clear()
         for key in {_CPU, *self.streams}:
             if gettable(key):
