@@ -168,7 +168,7 @@ def _fill(op):
             if type(x) is not float and type(x) is not int and type(x) is not bool:
                 return NotImplemented
         if skip_meta:
-            info.check(self.dtype, (self, *scalars), {})
+            info.check(self, (self, *scalars), {})
         else:
             # fill_/zero_: their meta kernels are cheap C++ and check the value.
             with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():

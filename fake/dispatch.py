@@ -121,7 +121,7 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
     if info.skip_meta and isinstance(args[0], FakeTensor):
         # An in-place random fill: the result is the input, geometry unchanged.
         owner = args[0]
-        info.check(owner.dtype, args, kwargs)
+        info.check(owner, args, kwargs)
         return Call(info, flat, spec, owner, device, [owner], [], [owner])
 
     margs, mkwargs = unflatten(metas, spec)

@@ -47,15 +47,17 @@ def _numeric(dtype):
 # In-place random fills: they keep their input's geometry, and their meta
 # kernels are Python decompositions (normal_'s costs ~0.5 ms and imports
 # torch._dynamo on first use).  What the kernels would check is checked
-# here: (dtypes accepted, check of the scalar arguments).
+# here: (dtypes accepted, whether the dtype is checked for an empty tensor
+# too, check of the scalar arguments).  uniform_ dispatches on the dtype to
+# check its bounds before it looks at the size; the others return early.
 _SKIP_META = {
-    aten.uniform_.default: (_floating_or_complex, _check_uniform),
-    aten.normal_.default: (_floating_or_complex, _check_normal),
-    aten.bernoulli_.float: (_not_complex, None),
-    aten.exponential_.default: (_floating, None),
-    aten.log_normal_.default: (_floating, None),
-    aten.cauchy_.default: (_floating, None),
-    aten.geometric_.default: (_numeric, None),
+    aten.uniform_.default: (_floating_or_complex, True, _check_uniform),
+    aten.normal_.default: (_floating_or_complex, False, _check_normal),
+    aten.bernoulli_.float: (_not_complex, False, None),
+    aten.exponential_.default: (_floating, False, None),
+    aten.log_normal_.default: (_floating, False, None),
+    aten.cauchy_.default: (_floating, False, None),
+    aten.geometric_.default: (_numeric, False, None),
 }
 
 
@@ -97,11 +99,11 @@ class OpInfo:
                 out.extend(v for v in value if isinstance(v, torch.Tensor))
         return out
 
-    def check(self, dtype, args, kwargs) -> None:
-        """Raise what the skipped meta kernel would have raised (``skip_meta`` ops)."""
-        dtype_ok, check_scalars = self._checks
-        if not dtype_ok(dtype):
-            raise NotImplementedError(f"{self.func} is not implemented for {dtype}")
+    def check(self, tensor, args, kwargs) -> None:
+        """Raise what the skipped kernel would have raised on ``tensor`` (``skip_meta`` ops)."""
+        dtype_ok, even_if_empty, check_scalars = self._checks
+        if not dtype_ok(tensor.dtype) and (even_if_empty or tensor.numel()):
+            raise NotImplementedError(f"{self.func} is not implemented for {tensor.dtype}")
         if check_scalars is not None:
             check_scalars(args, kwargs)
 
