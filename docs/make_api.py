@@ -37,6 +37,9 @@ PUBLIC = [
         ],
     ),
     ("fake", ["FakeTensorError", "FakeDataAccessError"]),
+    ("deferinit.dot", ["write", "GraphViewError", "GraphvizNotFoundError", "GraphFormatError"]),
+    ("deferinit.collectives", ["CollectiveError"]),
+    ("materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_plan", "fsdp_held_fakes"]),
 ]
 
 
@@ -62,7 +65,7 @@ def render() -> str:
         for name in names:
             obj = getattr(module, name)
             kind = "class" if inspect.isclass(obj) else "function"
-            public_module = module_name.split(".")[0]
+            public_module = module_name
             if kind == "class" and issubclass(obj, BaseException):
                 base = obj.__mro__[1].__name__
                 out.append(f"## `{public_module}.{name}({base})`")
