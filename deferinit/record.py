@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from .rng import Stream, generator_of, get_state, gettable, new_tag, set_state, tag_of, with_tag
+from .rng import Stream, generator_of, get_state, gettable, new_tag, set_state
 
 _ids = itertools.count(1)
 _CPU = torch.device("cpu")
@@ -51,21 +51,22 @@ class Record:
         if gen is None or not self.open:
             # After deferred_init returned: the draw continues the stream,
             # as it would right after eager construction.
+            if index == 0 and key in self.exit:
+                # No draw while recording: the stream starts where
+                # construction left the generator, not where it is now.
+                stream.known[0] = self.exit[key]
             return
-        state = get_state(gen)
-        mark = self.markers.get(tag_of(state))
+        mark = self.markers.get(gen.initial_seed())
         if mark is not None and mark[0] is stream:
             if mark[1] != index:
                 stream.same[index] = mark[1]
         else:
             # First draw, or user code set the generator since the last one.
+            state = get_state(gen)
             stream.known[index] = state
             stream.base = state
         tag = new_tag()
-        try:
-            set_state(gen, with_tag(state, tag))
-        except RuntimeError:
-            return  # a generator whose state layout we cannot mark
+        gen.manual_seed(tag)
         self.markers[tag] = (stream, index + 1)
 
     def close(self) -> None:
@@ -74,7 +75,7 @@ class Record:
         for key, stream in self.streams.items():
             gen = stream.generator
             if gen is not None and stream.base is not None:
-                mark = self.markers.get(tag_of(get_state(gen)))
+                mark = self.markers.get(gen.initial_seed())
                 if mark is not None and mark[0] is stream:
                     set_state(gen, stream.base)
                     if mark[1] != len(stream.nodes):

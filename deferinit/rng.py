@@ -10,14 +10,15 @@ What the record must know is where user code *set* a generator between two
 draws (``torch.manual_seed(0)`` inside a constructor, even to the seed it
 already had; ``fork_rng`` putting an older state back).  Since recording
 does not advance the generator, comparing states cannot tell.  So after
-each recorded draw the generator is *marked*: its state gets a unique tag
-in the bytes that hold the initial seed (which no draw reads).  At the next
-draw the tag says where the state came from: still the mark of the previous
-draw (a plain continuation), the mark of an earlier position (an old state
-put back: the draw starts from that position's state), or no mark at all
-(the user set a new state: it is known exactly).  When recording ends the
-generator gets back its last real state, unless the user set one after the
-last draw, which eager construction would have kept too.
+each recorded draw the generator is *marked*: seeded with a unique tag
+standing for "after draw k of this stream" (nothing draws from it while
+recording: draws are recorded, not made).  At the next draw its initial
+seed says where the state came from: still the mark of the previous draw (a
+plain continuation), the mark of an earlier position (an old state put
+back: the draw starts from that position's state), or no mark at all (the
+user set a new state: it is read and known exactly).  When recording ends
+the generator gets back its last real state, unless the user set one after
+the last draw, which eager construction would have kept too.
 """
 
 from __future__ import annotations
@@ -108,23 +109,6 @@ def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
     return fingerprint(a) == fingerprint(b)
-
-
-# numpy()/from_numpy() dispatch small ops that an active mode would take
-# over (from_numpy even lifts the array to a recorded constant): keep the
-# modes out.
-
-
-def tag_of(state: torch.Tensor) -> int:
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        return int.from_bytes(state.numpy()[:8].tobytes(), "little")
-
-
-def with_tag(state: torch.Tensor, tag: int) -> torch.Tensor:
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        marked = state.numpy().copy()
-        marked[:8] = memoryview(tag.to_bytes(8, "little"))
-        return torch.from_numpy(marked)
 
 
 class Stream:
