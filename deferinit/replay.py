@@ -376,10 +376,12 @@ class Replay:
             set_state(gen, state)
 
     def _failure(self, node: Node, e: Exception) -> Exception:
-        if isinstance(e, (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError)):
-            return e
         labels = [l for l in self.labels if l]
         what = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
+        if isinstance(e, ExternalTensorMutatedError) and what:
+            e.add_note(f"(while materializing {what}; nothing was changed, the tensors stay deferred)")
+        if isinstance(e, (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError)):
+            return e
         where = f" (while constructing {node.where})" if node.where else ""
         return ReplayError(
             f"replaying {node.name} (node %{node.seq}){where} for {what or 'the requested tensors'} "
