@@ -178,6 +178,8 @@ def _fill(op):
         if spec is None:
             spec = specs[shape] = flatten((None, *scalars), {"generator": generator} if generator is not None else {})[1]
         storage = d["_storage"]
+        if storage.real is not None:
+            return NotImplemented  # the general path explains why this cannot be recorded
         flat = [Input(d["_value"], storage.head), *scalars]
         if generator is not None:
             flat.append(generator)

@@ -52,7 +52,6 @@ class Node:
         "rng",
         "reshapes",
         "writes",
-        "where",
         "default_dtype",
         "__weakref__",
     )
@@ -73,8 +72,6 @@ class Node:
         self.reshapes = False
         # Positions in ``flat`` of the inputs this node writes in place.
         self.writes = ()
-        # Where in the user's code the node was recorded (module classes).
-        self.where = None
         self.default_dtype = None
 
     @property

@@ -15,6 +15,7 @@ from fake import handlers
 from fake.flat import flatten
 from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, no_python_dispatch, run, writes_real
 from fake.opinfo import op_info
+from fake.errors import UnsupportedOperatorError
 from fake.tensor import FakeTensor, describe
 
 from .errors import InferenceTensorInputError, MixedFakeError, RecordingError
@@ -56,8 +57,8 @@ class Recorder(FakeHandler):
 
         try:
             call = run(func, args, kwargs, info)
-        except NotImplementedError as e:
-            raise NotImplementedError(f"{e} (while constructing {_where()})") from None
+        except UnsupportedOperatorError as e:
+            raise UnsupportedOperatorError(f"{e} (while constructing {_where()})") from None
         if call.device.type == "meta":
             return call.out
 
@@ -81,6 +82,9 @@ class Recorder(FakeHandler):
             node.default_dtype = dtype
 
         written = call.mutated
+        for fake in written:
+            if isinstance(fake, FakeTensor):
+                check_storage_not_real(fake, func)
         if info.random:
             device = written[0].device if written else call.device
             record.add_random(node, stream_key(kwargs, device))
@@ -99,6 +103,9 @@ class Recorder(FakeHandler):
                 d["_value"] = Value(node, pos, fake, storage)
                 d["_storage"] = storage
         return call.out
+
+    def where(self) -> str:
+        return f" (while constructing {_where()})"
 
     def _read(self, fake: FakeTensor, func, record) -> Input:
         other = fake._record
@@ -194,6 +201,7 @@ class Recorder(FakeHandler):
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype
+        check_storage_not_real(tensor, fn)
         record.add_random(node, stream_key(kwargs, tensor.device))
         node.writes = (0,)
         tensor._storage.head = node
@@ -241,6 +249,22 @@ class Recorder(FakeHandler):
             return super().data_access(operation, plain[0], compute)
         reals = evaluate(fakes, operation)
         return compute(*reals)
+
+
+def check_storage_not_real(fake: FakeTensor, op) -> None:
+    """Refuse to record a write to a deferred tensor whose memory is already real.
+
+    Once a tensor is materialized, its views still deferred read the real
+    memory; a write recorded now would only be replayed when the view is
+    materialized, after whatever was done to the real memory in between.
+    """
+    storage = fake.__dict__.get("_storage")
+    if storage is not None and storage.real is not None:
+        raise RecordingError(
+            f"{getattr(op, '__name__', op)} writes a deferred tensor {describe(fake)} that shares "
+            "memory with a tensor already materialized, so the write would be replayed out of "
+            "order. Materialize this tensor first (materialize_tensor), then write to it."
+        )
 
 
 def _has_tensor(flat) -> bool:

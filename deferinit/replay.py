@@ -140,6 +140,12 @@ class Replay:
     """
 
     def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=()):
+        if device is not None and torch.device(device).type == "meta":
+            label = next((l for l in labels or () if l), "the tensors")
+            raise ValueError(
+                f"cannot materialize {label} on the meta device: meta tensors hold no values. "
+                "Keep it deferred (it already reports shape, dtype and device), or use fake.meta_like."
+            )
         self.targets = targets
         # Nodes replayed only for their effect on the generators.
         self.extra = list(extra)
@@ -382,9 +388,8 @@ class Replay:
             e.add_note(f"(while materializing {what}; nothing was changed, the tensors stay deferred)")
         if isinstance(e, (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError)):
             return e
-        where = f" (while constructing {node.where})" if node.where else ""
         return ReplayError(
-            f"replaying {node.name} (node %{node.seq}){where} for {what or 'the requested tensors'} "
+            f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "
             f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
         )
 

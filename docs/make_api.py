@@ -36,7 +36,7 @@ PUBLIC = [
             "ReplayError",
         ],
     ),
-    ("fake", ["FakeTensorError", "FakeDataAccessError"]),
+    ("fake", ["FakeTensorError", "FakeDataAccessError", "FakeIntoRealError", "UnsupportedOperatorError"]),
     ("deferinit.dot", ["write", "GraphViewError", "GraphvizNotFoundError", "GraphFormatError"]),
     ("deferinit.collectives", ["CollectiveError"]),
     ("materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_plan", "fsdp_held_fakes"]),

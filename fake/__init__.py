@@ -12,7 +12,7 @@ Example::
     (True, device(type='meta'))
 """
 
-from .errors import FakeDataAccessError, FakeTensorError
+from .errors import FakeDataAccessError, FakeIntoRealError, FakeTensorError, UnsupportedOperatorError
 from .tensor import FakeTensor, is_fake, meta_like
 from . import dispatch as _dispatch  # noqa: F401  (installs the plain handler)
 from .mode import fake_mode
@@ -20,7 +20,9 @@ from .mode import fake_mode
 __all__ = [
     "FakeTensor",
     "FakeDataAccessError",
+    "FakeIntoRealError",
     "FakeTensorError",
+    "UnsupportedOperatorError",
     "fake_mode",
     "is_fake",
     "meta_like",

@@ -12,7 +12,7 @@ import torch
 
 from . import handlers
 from .device import CPU, META, common_device, normalize
-from .errors import FakeDataAccessError
+from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
 from .opinfo import OpInfo, op_info
 from .state import current_intended_device
@@ -129,7 +129,7 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         with no_python_dispatch():
             result = func(*margs, **mkwargs)
     except NotImplementedError as e:
-        raise NotImplementedError(
+        raise UnsupportedOperatorError(
             f"{func} cannot run on fake tensors: it has no meta kernel, or its output "
             f"shape depends on the data ({str(e).splitlines()[0][:200]}). Run it on real "
             "tensors instead (materialize them first)."
@@ -204,12 +204,17 @@ class FakeHandler:
         """An in-place op on real tensors only: it stays real."""
         flat, _ = flatten(args, kwargs)
         if any(isinstance(x, FakeTensor) for x in flat):
-            raise RuntimeError(
-                f"{func} would write fake data into a real tensor. Make the destination "
-                "fake too (create it inside the fake context), or compute on real tensors."
+            raise FakeIntoRealError(
+                f"{func} would write fake data into a real tensor{self.where()}. Make the "
+                "destination fake too (create it inside the fake context), or compute on "
+                "real tensors."
             )
         with no_python_dispatch():
             return func(*args, **kwargs)
+
+    def where(self) -> str:
+        """Where in the user's code the current operation runs, for messages."""
+        return ""
 
     def lift(self, real: torch.Tensor, device, like=None) -> FakeTensor:
         """A fake standing for real tensor ``real`` moved to ``device`` (made for ``like``)."""

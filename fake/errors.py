@@ -36,3 +36,14 @@ class FakeDataAccessError(FakeTensorError):
             "(deferinit.materialize_tensor) if it was created by deferred_init."
         )
         super().__init__(message)
+
+
+class UnsupportedOperatorError(FakeTensorError, NotImplementedError):
+    """An operator cannot run on fake tensors: it has no meta kernel, or the
+    shape of its output depends on the data (``nonzero``, ``unique``, boolean
+    masks).  Also a ``NotImplementedError``, as PyTorch raises for missing
+    kernels."""
+
+
+class FakeIntoRealError(FakeTensorError):
+    """An in-place operation would write fake data into a real tensor."""

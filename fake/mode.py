@@ -27,8 +27,13 @@ _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 
 
+def _top_dispatch_mode():
+    n = torch._C._len_torch_dispatch_stack()
+    return torch._C._get_dispatch_stack_at(n - 1) if n else None
+
+
 # Calls that may need a device rewritten even without keyword arguments.
-_HANDLED = CONSTRUCTORS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
+_HANDLED = CONSTRUCTORS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__}
 
 
 class FakeFunctionMode(TorchFunctionMode):
@@ -41,10 +46,15 @@ class FakeFunctionMode(TorchFunctionMode):
         # without dispatching it (NotImplemented: take the general path).
         self.fast = fast or {}
         self.context = context
+        # The dispatch mode entered with this one: fast paths stand in for
+        # it, so they only apply while it is the innermost dispatch mode
+        # (a fake_mode inside deferred_init makes plain fakes; a user's mode
+        # above ours sees every op).
+        self.partner = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         fast = self.fast.get(func)
-        if fast is not None:
+        if fast is not None and _top_dispatch_mode() is self.partner:
             result = fast(self.context, args, kwargs or {})
             if result is not NotImplemented:
                 return result
@@ -52,6 +62,12 @@ class FakeFunctionMode(TorchFunctionMode):
             # Most calls (dim(), size(), add()...): nothing to rewrite.
             return func(*args)
         kwargs = kwargs or {}
+        if func is torch.Tensor.__deepcopy__:
+            # A real tensor deep-copied under a fake mode (a template module
+            # inside deferred_init): its copy is fake, laid out as eager's.
+            from .copying import deepcopy_tensor
+
+            return deepcopy_tensor(args[0], args[1])
         if type(func) is FunctionType and _skip_one_hop is not None:
             # A Python function with a torch-function prologue (nn.init.*,
             # F.*): run its body with this mode still active, so that the
@@ -96,7 +112,9 @@ class FakeDispatchMode(TorchDispatchMode):
 @contextlib.contextmanager
 def fake_modes(handler, context=None, fake_cuda: bool = True):
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
-    with FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context), FakeDispatchMode(handler, context):
+    function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
+    function_mode.partner = dispatch_mode = FakeDispatchMode(handler, context)
+    with function_mode, dispatch_mode:
         yield
 
 

@@ -115,16 +115,9 @@ class FakeTensor(torch.Tensor):
         super().__setattr__(name, value)
 
     def __deepcopy__(self, memo):
-        if id(self) in memo:
-            return memo[id(self)]
-        with torch.no_grad():
-            copy = self.clone(memory_format=torch.preserve_format)
-        copy.requires_grad_(self.requires_grad)
-        for key, value in self.__dict__.items():
-            if key not in INTERNAL_ATTRS or key in ("_is_param", "_param_cls"):
-                copy.__dict__[key] = value if key in INTERNAL_ATTRS else _deepcopy(value, memo)
-        memo[id(self)] = copy
-        return copy
+        from .copying import deepcopy_tensor
+
+        return deepcopy_tensor(self, memo, INTERNAL_ATTRS)
 
     # -- .data ------------------------------------------------------------------
 
@@ -183,6 +176,18 @@ class FakeTensor(torch.Tensor):
 
     def tolist(self):
         return self._data_access("tolist()", lambda t: t.tolist())
+
+    def __bool__(self):
+        return self._data_access("bool()", lambda t: bool(t))
+
+    def __int__(self):
+        return self._data_access("int()", lambda t: int(t))
+
+    def __float__(self):
+        return self._data_access("float()", lambda t: float(t))
+
+    def __index__(self):
+        return self._data_access("operator.index()", lambda t: t.__index__())
 
     def numpy(self, *, force: bool = False):
         return self._data_access("numpy()", lambda t: t.numpy(force=force))
@@ -264,12 +269,6 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout
     if requires_grad:
         result.requires_grad_(True)
     return result
-
-
-def _deepcopy(value, memo):
-    import copy
-
-    return copy.deepcopy(value, memo)
 
 
 def describe(t: torch.Tensor) -> str:

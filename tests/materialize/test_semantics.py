@@ -15,6 +15,7 @@ from deferinit import (
     DeviceUnavailableError,
     ExternalTensorMutatedError,
     MaterializationError,
+    RecordingError,
     ReplayError,
     deferred_init,
     is_deferred,
@@ -188,8 +189,12 @@ def test_view_materialized_before_later_in_place_ops_on_its_base():
     m = deferred_init(ctor)
     materialize_tensor(m.view)
     assert m.view.tolist() == [3.0] * 4  # torchdistx gave 1.0 here
-    m.base.mul_(2)  # recorded after the view became real
+    # A write to the still deferred base would reach the real view only when
+    # the base is materialized, out of order with real writes: refused.
+    with pytest.raises(RecordingError, match="already materialized"):
+        m.base.mul_(2)
     materialize_tensor(m.base)
+    m.base.mul_(2)
     assert m.view.tolist() == [6.0] * 4 and m.base.tolist() == [[6.0, 6.0], [6.0, 6.0]]
 
 
@@ -316,3 +321,10 @@ def test_progress_bar_only_on_a_terminal_when_switched_on(monkeypatch):
     monkeypatch.setenv("DEFERINIT_PROGRESS", "1")
     materialize_module(m)
     assert stream.getvalue() == ""  # not a terminal
+
+
+def test_materializing_on_meta_is_refused():
+    m = deferred_init(nn.Linear, 2, 2)
+    with pytest.raises(ValueError, match=r"weight on the meta device.*meta_like"):
+        materialize_module(m, device="meta")
+    assert is_deferred(m.weight) and is_deferred(m.bias)
