@@ -27,9 +27,7 @@ _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 
 
-def _top_dispatch_mode():
-    n = torch._C._len_torch_dispatch_stack()
-    return torch._C._get_dispatch_stack_at(n - 1) if n else None
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
 # Calls that may need a device rewritten even without keyword arguments.
@@ -46,15 +44,15 @@ class FakeFunctionMode(TorchFunctionMode):
         # without dispatching it (NotImplemented: take the general path).
         self.fast = fast or {}
         self.context = context
-        # The dispatch mode entered with this one: fast paths stand in for
-        # it, so they only apply while it is the innermost dispatch mode
-        # (a fake_mode inside deferred_init makes plain fakes; a user's mode
-        # above ours sees every op).
-        self.partner = None
+        # Fast paths stand in for the dispatch mode entered with this one, so
+        # they only apply while it is the innermost dispatch mode (a fake_mode
+        # inside deferred_init makes plain fakes; a user's mode above ours
+        # sees every op): while the dispatch stack has the depth it had then.
+        self.partner_depth = -1
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         fast = self.fast.get(func)
-        if fast is not None and _top_dispatch_mode() is self.partner:
+        if fast is not None and _dispatch_depth() == self.partner_depth:
             result = fast(self.context, args, kwargs or {})
             if result is not NotImplemented:
                 return result
@@ -113,8 +111,9 @@ class FakeDispatchMode(TorchDispatchMode):
 def fake_modes(handler, context=None, fake_cuda: bool = True):
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
     function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
-    function_mode.partner = dispatch_mode = FakeDispatchMode(handler, context)
+    dispatch_mode = FakeDispatchMode(handler, context)
     with function_mode, dispatch_mode:
+        function_mode.partner_depth = _dispatch_depth()
         yield
 
 
