@@ -32,13 +32,15 @@ aten = torch.ops.aten
 _META = torch.device("meta")
 _STRIDED = torch.strided
 _EMPTY = aten.empty.memory_format
-_DETACH = aten.detach.default
+_SEQUENCES = (tuple, list, torch.Size)
 _increment_version = torch._C._increment_version
 
 
 def _sizes(args):
-    if len(args) == 1 and type(args[0]) in (tuple, list, torch.Size):
+    if len(args) == 1 and type(args[0]) is not int:
         args = args[0]
+        if type(args) not in _SEQUENCES:
+            return None
     for n in args:
         if type(n) is not int:
             return None
@@ -109,7 +111,7 @@ _FACTORY_SPEC = flatten((None,), {"dtype": None, "device": None, "pin_memory": F
 
 
 def detach(record, args, kwargs):
-    """``fake.detach()``: a view of the same storage that does not require grad."""
+    """``fake.detach()``: another tensor with the same value, not requiring grad."""
     if kwargs or len(args) != 1:
         return NotImplemented
     self = args[0]
@@ -118,14 +120,12 @@ def detach(record, args, kwargs):
     d = self.__dict__
     # Aliases may share a shadow: in-place ops that could change a
     # geometry give the fake its own shadow first (fake.dispatch.run).
-    storage = d["_storage"]
-    node = Node("op", _DETACH, [Input(d["_value"], storage.head)], _DETACH_SPEC)
-    device = d["_device"]
-    fake = make_fake(d["_shadow"], device)
-    return _attach(fake, d["_record"], node, 0, storage, device)
-
-
-_DETACH_SPEC = flatten((None,), {})[1]
+    fake = make_fake(d["_shadow"], d["_device"])
+    f = fake.__dict__
+    f["_record"] = d["_record"]
+    f["_value"] = d["_value"]
+    f["_storage"] = d["_storage"]
+    return fake
 
 
 def _fill(op):

@@ -41,20 +41,19 @@ class Node:
     :class:`Input` in place of tensors.
     """
 
-    __slots__ = (
-        "seq",
-        "kind",
-        "target",
-        "flat",
-        "spec",
-        "payload",
-        "version",
-        "rng",
-        "reshapes",
-        "writes",
-        "default_dtype",
-        "__weakref__",
-    )
+    # No __slots__: the fields most nodes leave at their default are class
+    # attributes, so making a node (the hot path of recording) sets five.
+    payload = None
+    version = None
+    # (weak reference to the record stream, index in that stream) for nodes
+    # that draw random numbers, else None.
+    rng = None
+    # True when the node changes the geometry of a tensor in place
+    # (t_(), resize_(), set_()): replay runs it on an alias.
+    reshapes = False
+    # Positions in ``flat`` of the inputs this node writes in place.
+    writes = ()
+    default_dtype = None
 
     def __init__(self, kind, target, flat=(), spec=None, payload=None):
         self.seq = next(_seq)
@@ -62,17 +61,8 @@ class Node:
         self.target = target
         self.flat = flat
         self.spec = spec
-        self.payload = payload
-        self.version = None
-        # (record stream key, index in that stream) for nodes that draw
-        # random numbers, else None.
-        self.rng = None
-        # True when the node changes the geometry of a tensor in place
-        # (t_(), resize_(), set_()): replay runs it on an alias.
-        self.reshapes = False
-        # Positions in ``flat`` of the inputs this node writes in place.
-        self.writes = ()
-        self.default_dtype = None
+        if payload is not None:
+            self.payload = payload
 
     @property
     def inputs(self):

@@ -25,6 +25,9 @@ from .rng import stream_key
 aten = torch.ops.aten
 
 LIFT_OPS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
+# Ops whose output is the input itself under another Python object (same
+# storage, same geometry): the output shares the input's value, no node.
+SAME_VALUE_OPS = frozenset({aten.detach.default, aten.alias.default})
 
 def attach(fake: FakeTensor, record, value: Value, storage: Storage) -> FakeTensor:
     d = fake.__dict__
@@ -61,6 +64,9 @@ class Recorder(FakeHandler):
             raise UnsupportedOperatorError(f"{e} (while constructing {_where()})") from None
         if call.device.type == "meta":
             return call.out
+        if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
+            source = args[0]
+            return attach(call.out, source._record, source._value, source._storage)
 
         flat, spec = call.flat, call.spec
         if info.dtype_kwarg and kwargs.get("dtype") is None and call.fresh and not _has_tensor(flat):

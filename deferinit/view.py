@@ -3,12 +3,10 @@
 Example::
 
     >>> print(graph_of(deferred_init(torch.nn.Linear, 4, 2)))
-    %0 = aten.empty.memory_format([2, 4], dtype=torch.float32, device=cpu, pin_memory=False)
-    %1 = aten.detach(%0)  # weight
-    %2 = aten.empty.memory_format([2], dtype=torch.float32, device=cpu, pin_memory=False)
-    %3 = aten.detach(%2)  # bias
-    %4 = aten.uniform_(%1, -0.5, 0.5)  # weight
-    %5 = aten.uniform_(%3, -0.5, 0.5)  # bias
+    %0 = aten.empty.memory_format([2, 4], dtype=torch.float32, device=cpu, pin_memory=False)  # weight
+    %1 = aten.empty.memory_format([2], dtype=torch.float32, device=cpu, pin_memory=False)  # bias
+    %2 = aten.uniform_(%0, -0.5, 0.5)  # weight
+    %3 = aten.uniform_(%1, -0.5, 0.5)  # bias
 """
 
 from __future__ import annotations
@@ -53,9 +51,9 @@ class Graph:
 
         >>> g = graph_of(deferred_init(torch.nn.Linear, 4, 2))
         >>> len(g), [str(n.target) for n in g.nodes][-1]
-        (6, 'aten.uniform_.default')
+        (4, 'aten.uniform_.default')
         >>> print(g.format_node(g.nodes[-1]))
-        %5 = aten.uniform_(%3, -0.5, 0.5)  # bias
+        %3 = aten.uniform_(%1, -0.5, 0.5)  # bias
     """
 
     def __init__(self, targets: list[tuple[str, torch.Tensor]]):
@@ -175,10 +173,9 @@ def graph_of(obj) -> Graph:
 
         >>> g = graph_of(deferred_init(torch.nn.Embedding, 10, 4, padding_idx=0))
         >>> print(g)
-        %0 = aten.empty.memory_format([10, 4], dtype=torch.float32, device=cpu, pin_memory=False)
-        %1 = aten.detach(%0)  # weight
-        %2 = aten.normal_(%1, 0, 1)  # weight
-        %3 = aten.select.int(%2, 0, 0)
-        %4 = aten.fill_.Scalar(%3, 0)  # weight
+        %0 = aten.empty.memory_format([10, 4], dtype=torch.float32, device=cpu, pin_memory=False)  # weight
+        %1 = aten.normal_(%0, 0, 1)  # weight
+        %2 = aten.select.int(%1, 0, 0)
+        %3 = aten.fill_.Scalar(%2, 0)  # weight
     """
     return Graph(deferred_tensors(obj))

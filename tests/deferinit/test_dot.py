@@ -188,14 +188,14 @@ def test_qualified_names_clusters_and_collapsed_blocks():
     assert any(re.search(r"layers\.0 \.\. layers\.3 \(DecoderLayer\)\s+x4", label) for label in labels)
     assert "layers.0.self_attn (Attention)" in labels and "layers.0.self_attn.q_proj (Linear)" in labels
     assert not any("layers.1" in label for label in labels)
-    # One block's ops are drawn: empty, detach, init per tensor of the block, plus the rest.
-    assert len(d.ops()) == 3 * (len(per_layer) + 3)
+    # One block's ops are drawn: empty and init per tensor of the block, plus the rest.
+    assert len(d.ops()) == 2 * (len(per_layer) + 3)
 
     full = Dot(to_dot(m, expand=True))
     full_names = {full.nodes[k][0][0] for k in full.nodes if k.startswith("t")}
     assert {f"layers.3.{n}" for n in per_layer} <= full_names
     assert not any(re.search(r"x\d+$", label) for label in full.cluster_labels())
-    assert len(full.ops()) == 3 * (4 * len(per_layer) + 3)
+    assert len(full.ops()) == 2 * (4 * len(per_layer) + 3)
 
 
 def test_only_identical_neighbours_collapse():
@@ -305,7 +305,7 @@ def test_renders_svg(tmp_path):
 def test_70b_record_renders_collapsed(tmp_path):
     model = deferred_init(Llama, LLAMA_70B, dtype=torch.bfloat16)
     d = Dot(to_dot(model))
-    assert len(d.ops()) == 3 * (9 + 3)  # one of 80 blocks drawn
+    assert len(d.ops()) == 2 * (9 + 3)  # one of 80 blocks drawn: empty and init per tensor
     svg = write(to_dot(model), tmp_path / "llama70b.svg").read_text()
     assert "x80" in svg and "layers.0.mlp.up_proj.weight" in svg and "[28672, 8192] bfloat16 cpu" in svg
     assert "layers.1." not in svg

@@ -155,28 +155,27 @@ def test_recording_draws_no_random_numbers():
 
 def test_linear_graph():
     m = deferred_init(torch.nn.Linear, 4, 2)
+    # nn.Parameter(t) detaches t: the same value under another object, no node
     assert ops(m) == [
         "aten.empty.memory_format",
-        "aten.detach.default",
         "aten.empty.memory_format",
-        "aten.detach.default",
         "aten.uniform_.default",
         "aten.uniform_.default",
     ]
     text = str(graph_of(m))
-    assert text.splitlines()[4] == "%4 = aten.uniform_(%1, -0.5, 0.5)  # weight"
-    assert "# bias" in text.splitlines()[5]
-    assert len(text.splitlines()) == 6
+    assert text.splitlines()[2] == "%2 = aten.uniform_(%0, -0.5, 0.5)  # weight"
+    assert "# bias" in text.splitlines()[3]
+    assert len(text.splitlines()) == 4
 
 
 def test_graph_is_reachable_from_a_tensor_and_prints_one_op_per_line():
     m = deferred_init(torch.nn.Embedding, 10, 4, padding_idx=0)
     g = graph_of(m.weight)
     lines = str(g).splitlines()
-    assert len(lines) == len(g.nodes) == 5
-    assert lines[2] == "%2 = aten.normal_(%1, 0, 1)  # tensor"
-    assert lines[3] == "%3 = aten.select.int(%2, 0, 0)"
-    assert lines[4] == "%4 = aten.fill_.Scalar(%3, 0)  # tensor"
+    assert len(lines) == len(g.nodes) == 4
+    assert lines[1] == "%1 = aten.normal_(%0, 0, 1)  # tensor"
+    assert lines[2] == "%2 = aten.select.int(%1, 0, 0)"
+    assert lines[3] == "%3 = aten.fill_.Scalar(%2, 0)  # tensor"
     assert graph_of(torch.ones(2)).nodes == []
 
 
@@ -544,7 +543,7 @@ def test_lstm_record():
     m = deferred_init(torch.nn.LSTM, 4, 6, num_layers=2)
     g = graph_of(m)
     for name, _ in m.named_parameters():
-        assert history(g, name) == ["detach", "uniform_"], name  # empty -> Parameter -> reset_parameters
+        assert history(g, name) == ["empty", "uniform_"], name  # empty -> Parameter -> reset_parameters
     assert sum(1 for n in g.nodes if n.rng is not None) == len(list(m.parameters()))
     check_exact(torch.nn.LSTM, 4, 6, num_layers=2)
 
@@ -552,9 +551,9 @@ def test_lstm_record():
 def test_multihead_attention_record():
     m = deferred_init(torch.nn.MultiheadAttention, 16, 4)
     g = graph_of(m)
-    assert history(g, "in_proj_weight") == ["detach", "uniform_"]  # xavier_uniform_
-    assert history(g, "in_proj_bias") == ["detach", "fill_"]  # constant_(0)
-    assert history(g, "out_proj.bias") == ["detach", "uniform_", "fill_"]  # Linear init, then constant_(0)
+    assert history(g, "in_proj_weight") == ["empty", "uniform_"]  # xavier_uniform_
+    assert history(g, "in_proj_bias") == ["empty", "fill_"]  # constant_(0)
+    assert history(g, "out_proj.bias") == ["empty", "uniform_", "fill_"]  # Linear init, then constant_(0)
     check_exact(torch.nn.MultiheadAttention, 16, 4)
 
 
