@@ -63,6 +63,40 @@ def real_read(inp: Input) -> bool:
     )
 
 
+def closure(reads, nodes=(), needed: dict | None = None) -> dict:
+    """``id(node) -> node`` for every node the ``reads`` need (the creator of the
+    value read and the writes to its storage up to the version read,
+    recursively), plus ``nodes`` and what they need; added to ``needed``.
+
+    Reads served by memory that is already real need only the writes made
+    to it since.
+    """
+    needed = {} if needed is None else needed
+    stack: list[Node] = list(nodes)
+
+    def read(inp: Input) -> None:
+        if real_read(inp):
+            real_head = inp.value.storage.real_head
+            if inp.version is not None and version_seq(inp.version) > version_seq(real_head):
+                stack.append(inp.version)
+            return
+        stack.append(inp.value.node)
+        if inp.version is not None:
+            stack.append(inp.version)
+
+    for inp in reads:
+        read(inp)
+    while stack:
+        node = stack.pop()
+        if id(node) in needed:
+            continue
+        needed[id(node)] = node
+        for x in node.flat:
+            if type(x) is Input:
+                read(x)
+    return needed
+
+
 class ReplayStream:
     """The draws one generator makes in a replay, in order, with known states
     (``known``) and positions whose state is an earlier one's (``same``)."""
@@ -162,33 +196,7 @@ class Replay:
     # -- planning ---------------------------------------------------------------
 
     def _plan(self) -> None:
-        needed: dict[int, Node] = {}
-        stack: list[Node] = []
-
-        def read(inp: Input) -> None:
-            if real_read(inp):
-                real_head = inp.value.storage.real_head
-                if inp.version is not None and version_seq(inp.version) > version_seq(real_head):
-                    stack.append(inp.version)
-                return
-            stack.append(inp.value.node)
-            if inp.version is not None:
-                stack.append(inp.version)
-
-        def drain() -> None:
-            while stack:
-                node = stack.pop()
-                if id(node) in needed:
-                    continue
-                needed[id(node)] = node
-                for x in node.flat:
-                    if type(x) is Input:
-                        read(x)
-
-        for inp in self.targets:
-            read(inp)
-        stack.extend(self.extra)
-        drain()
+        needed = closure(self.targets, self.extra)
 
         # Random draws: replay, from the nearest known state, every draw up
         # to each needed one (their own inputs included), until nothing new.
@@ -202,12 +210,12 @@ class Replay:
                     seen_streams.setdefault(id(stream), stream)
             self.streams = _replay_streams(list(seen_streams.values()), self.device_map)
             before = len(needed)
+            draws = []
             for node in list(needed.values()):
-                if node.rng is None:
-                    continue
-                rs = self.streams[id(node.rng[0]())]
-                stack.extend(rs.needs(rs.index[id(node)]))
-            drain()
+                if node.rng is not None:
+                    rs = self.streams[id(node.rng[0]())]
+                    draws.extend(rs.needs(rs.index[id(node)]))
+            closure((), draws, needed)
             if len(needed) == before:
                 break
 

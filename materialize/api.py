@@ -131,13 +131,19 @@ def _materialize(targets, *, device, inference, progress, complete) -> None:
     pairs = [(fake, dress(fake, real, inference)) for (_, fake), real in zip(targets, reals)]
     swap_all(pairs)
 
+    remember_real_storages(reads, storages, reals)
+    if device is None:
+        _hand_over_generators(replay, records.values())
+
+
+def remember_real_storages(reads, storages, reals) -> None:
+    """After a swap: each recorded storage remembers its real memory and the
+    head it reflects, so that its other tensors, materialized later, share it."""
     for read, storage, real in zip(reads, storages, reals):
         if storage.real is None and read.value.same_geometry(real):
             storage.real = real.untyped_storage()
         if storage.real is not None:
             storage.real_head = read.version
-    if device is None:
-        _hand_over_generators(replay, records.values())
 
 
 def _streams_to_finish(records) -> list:

@@ -52,7 +52,7 @@ import torch
 
 from deferinit.graph import Input
 from deferinit.recorder import is_deferred_fake
-from deferinit.replay import Replay, read_of, real_read
+from deferinit.replay import Replay, closure, read_of
 from fake.opinfo import op_info
 
 __all__ = [
@@ -158,7 +158,7 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     """
     if not _has_dtensors(module):
         return False
-    from .api import _hand_over_generators, _progress_bar, _streams_to_finish
+    from .api import _hand_over_generators, _progress_bar, _streams_to_finish, remember_real_storages
     from .swap import dress, swap_all
 
     groups = _groups(module, targets)
@@ -195,11 +195,7 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
         if compacted:
             continue  # nothing else can read that storage (see _compact)
-        for read, storage, real in zip(reads, group_storages, reals):
-            if storage.real is None and read.value.same_geometry(real):
-                storage.real = real.untyped_storage()
-            if storage.real is not None:
-                storage.real_head = read.version
+        remember_real_storages(reads, group_storages, reals)
     if device is None:
         _hand_over_generators(None, records.values())
     return True
@@ -227,27 +223,7 @@ def _groups(module, targets) -> list[list]:
 def _closure(group) -> list:
     """The recorded nodes the group's tensors are computed from (not counting the
     earlier draws replay may need only to reach a generator state)."""
-    stack: list = []
-    seen: dict = {}
-
-    def read(inp: Input) -> None:
-        if real_read(inp):
-            return
-        stack.append(inp.value.node)
-        if inp.version is not None:
-            stack.append(inp.version)
-
-    for _, fake in group:
-        read(read_of(fake))
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        for x in node.flat:
-            if type(x) is Input:
-                read(x)
-    return list(seen.values())
+    return list(closure([read_of(fake) for _, fake in group]).values())
 
 
 def _first_draw(nodes) -> int:
