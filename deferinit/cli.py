@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from .view import dtype_name
+
 PROG = "deferinit"
 
 #: Bytes per parameter to train with Adam in fp32: weights, gradients,
@@ -115,17 +117,6 @@ def fmt_count(n: int) -> str:
         if n >= size:
             return f"{n:,} ({n / size:.2f} {unit})"
     return f"{n:,}"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name of a dtype.
-
-    Example::
-
-        >>> dtype_name(torch.float16)
-        'float16'
-    """
-    return str(dtype).replace("torch.", "")
 
 
 # -- the inspect table --------------------------------------------------------------

@@ -40,7 +40,7 @@ from fake.opinfo import op_info
 from .graph import Input, Node
 from .recorder import is_deferred_fake
 from .replay import read_of
-from .view import Graph, deferred_tensors, op_name
+from .view import Graph, deferred_tensors, dtype_name, op_name, tensor_text
 
 # Fill colours by category, and how the legend names them.
 STYLES = {
@@ -414,7 +414,7 @@ class _Drawing:
     def _node_label(self, node: Node, values) -> list[str]:
         num = self.graph.name_of(node)
         if node.kind == "constant":
-            return [f"{num} constant", _tensor_text(node.payload) + f" {node.target}"]
+            return [f"{num} constant", tensor_text(node.payload) + f" {node.target}"]
         if node.kind == "external":
             t = node.payload
             return [f"{num} outside tensor", _geometry(t.shape, t.dtype, t.device), f"version {node.version}"]
@@ -810,27 +810,10 @@ def _short(x) -> str:
     if isinstance(x, torch.Generator):
         return f"Generator({x.device})"
     if isinstance(x, torch.Tensor):
-        return _tensor_text(x)
+        return tensor_text(x)
     if isinstance(x, torch.memory_format):
         return str(x).replace("torch.", "")
     return repr(x)
-
-
-def _tensor_text(t: torch.Tensor) -> str:
-    if t.numel() <= 4 and t.device.type != "meta":
-        return repr(t.tolist())
-    return f"<{dtype_name(t.dtype)} {list(t.shape)}>"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name of a dtype.
-
-    Example::
-
-        >>> dtype_name(torch.bfloat16)
-        'bfloat16'
-    """
-    return str(dtype).replace("torch.", "")
 
 
 def _geometry(shape, dtype, device) -> str:

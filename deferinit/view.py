@@ -89,9 +89,9 @@ class Graph:
     def format_node(self, node: Node) -> str:
         shown = [self.read_name(x) if type(x) is Input else _Literal(_fmt(x)) for x in node.flat]
         if node.kind == "constant":
-            call = f"constant({_fmt_tensor(node.payload)}, device={node.target})"
+            call = f"constant({tensor_text(node.payload)}, device={node.target})"
         elif node.kind == "external":
-            call = f"external({_fmt_tensor(node.payload)}, version={node.version})"
+            call = f"external({tensor_text(node.payload)}, version={node.version})"
         else:
             args, kwargs = unflatten(
                 [s if isinstance(s, _Literal) else _Literal(s) for s in shown], node.spec
@@ -156,14 +156,26 @@ def _fmt(x) -> str:
     if isinstance(x, torch.Generator):
         return f"Generator(device={x.device})"
     if isinstance(x, torch.Tensor):
-        return _fmt_tensor(x)
+        return tensor_text(x)
     return repr(x)
 
 
-def _fmt_tensor(t: torch.Tensor) -> str:
+def tensor_text(t: torch.Tensor) -> str:
+    """A constant's values if it is tiny, else its dtype and shape: ``<float32 [3, 4]>``."""
     if t.numel() <= 4 and t.device.type != "meta":
         return repr(t.tolist())
-    return f"<{t.dtype} {list(t.shape)}>"
+    return f"<{dtype_name(t.dtype)} {list(t.shape)}>"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The short name of a dtype.
+
+    Example::
+
+        >>> dtype_name(torch.bfloat16)
+        'bfloat16'
+    """
+    return str(dtype).replace("torch.", "")
 
 
 def graph_of(obj) -> Graph:

@@ -27,36 +27,31 @@ class Spec:
 
 def flatten(args, kwargs):
     """``(flat, spec)`` for ATen-style ``args``/``kwargs``."""
-    flat = []
-    arg_shapes = []
-    for a in args:
-        t = type(a)
+    flat: list = []
+    arg_shapes = _flatten_into(args, flat)
+    keys = tuple(kwargs) if kwargs else ()
+    kw_shapes = _flatten_into(kwargs.values(), flat) if kwargs else ()
+    if arg_shapes is None or kw_shapes is None:
+        return tree_flatten((args, kwargs))
+    return flat, Spec(arg_shapes, keys, kw_shapes)
+
+
+def _flatten_into(values, flat: list):
+    """Append ``values`` (leaves, or flat lists/tuples of leaves) to ``flat``;
+    return their shapes, or None if one is nested deeper."""
+    shapes = []
+    for v in values:
+        t = type(v)
         if t is list or t is tuple:
-            for b in a:
+            for b in v:
                 if type(b) in _SEQ:
-                    return tree_flatten((args, kwargs))
-            arg_shapes.append((t, len(a)))
-            flat.extend(a)
+                    return None
+            shapes.append((t, len(v)))
+            flat.extend(v)
         else:
-            arg_shapes.append(None)
-            flat.append(a)
-    kw_shapes = []
-    if kwargs:
-        for v in kwargs.values():
-            t = type(v)
-            if t is list or t is tuple:
-                for b in v:
-                    if type(b) in _SEQ:
-                        return tree_flatten((args, kwargs))
-                kw_shapes.append((t, len(v)))
-                flat.extend(v)
-            else:
-                kw_shapes.append(None)
-                flat.append(v)
-        keys = tuple(kwargs)
-    else:
-        keys = ()
-    return flat, Spec(tuple(arg_shapes), keys, tuple(kw_shapes))
+            shapes.append(None)
+            flat.append(v)
+    return tuple(shapes)
 
 
 def unflatten(flat, spec):
