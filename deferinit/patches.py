@@ -21,9 +21,59 @@ import torch.nn.init as _init
 
 from .recorder import RECORDER, is_deferred_fake
 
-_lock = threading.Lock()
-_users = 0
-_ORIGINALS: dict[str, object] = {}
+_MISSING = object()
+
+
+class SharedPatch:
+    """Attributes of a module replaced while any thread holds the patch.
+
+    Holding is reference counted under a lock: the first holder installs the
+    replacements, the last one puts the originals back (deleting attributes
+    the module did not have), whatever the threads and however they leave.
+    ``replacements(module)`` returns ``{name: value}``; ``module`` is a
+    callable returning the module, so that it is imported only when needed.
+
+    Example::
+
+        >>> import math
+        >>> patch = SharedPatch(lambda: math, lambda m: {"tau": 6.0})
+        >>> with patch.held():
+        ...     math.tau
+        6.0
+        >>> math.tau
+        6.283185307179586
+    """
+
+    def __init__(self, module, replacements):
+        self._module = module
+        self._replacements = replacements
+        self._lock = threading.Lock()
+        self._saved: dict = {}
+        self.users = 0
+
+    @contextlib.contextmanager
+    def held(self):
+        with self._lock:
+            if self.users == 0:
+                module = self._module()
+                for name, value in self._replacements(module).items():
+                    self._saved[name] = getattr(module, name, _MISSING)
+                    setattr(module, name, value)
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.users -= 1
+                if self.users == 0:
+                    module = self._module()
+                    for name, original in self._saved.items():
+                        if original is _MISSING:
+                            delattr(module, name)
+                        else:
+                            setattr(module, name, original)
+                    self._saved.clear()
+
 
 # (global name in torch.nn.init, positional parameters after the tensor)
 _TARGETS = {"_no_grad_trunc_normal_": ("mean", "std", "a", "b")}
@@ -45,24 +95,18 @@ def _diverting(name: str, original):
     return divert
 
 
-@contextlib.contextmanager
+def _diversions(module) -> dict:
+    return {
+        name: _diverting(name, getattr(module, name))
+        for name in _TARGETS
+        if getattr(module, name, None) is not None
+    }
+
+
+#: The trunc_normal_ diversion, held while any thread records.
+TRUNC_NORMAL = SharedPatch(lambda: _init, _diversions)
+
+
 def installed():
     """Install the diversions for the duration of the block (nesting and threads safe)."""
-    global _users
-    with _lock:
-        if _users == 0:
-            for name in _TARGETS:
-                original = getattr(_init, name, None)
-                if original is not None:
-                    _ORIGINALS[name] = original
-                    setattr(_init, name, _diverting(name, original))
-        _users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _users -= 1
-            if _users == 0:
-                for name, original in _ORIGINALS.items():
-                    setattr(_init, name, original)
-                _ORIGINALS.clear()
+    return TRUNC_NORMAL.held()

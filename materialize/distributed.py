@@ -43,14 +43,15 @@ Example (on every rank of a process group)::
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
-import threading
 import types
 from typing import NamedTuple
 
 import torch
 
 from deferinit.graph import Input
+from deferinit.patches import SharedPatch
 from deferinit.recorder import is_deferred_fake
 from deferinit.replay import Replay, closure, read_of
 from fake.opinfo import op_info
@@ -451,10 +452,10 @@ def _fsdp1_materialize_module(module, check_fn=None):
 
 _FSDP1_FAKE = types.SimpleNamespace(is_fake=_fsdp1_is_fake)
 _FSDP1_DEFERRED_INIT = types.SimpleNamespace(materialize_module=_fsdp1_materialize_module)
-_fsdp1_lock = threading.Lock()
-_fsdp1_users = 0
-_fsdp1_saved: dict = {}
-_MISSING = object()
+_FSDP1_HOOKS = SharedPatch(
+    lambda: importlib.import_module("torch.distributed.fsdp._init_utils"),
+    lambda module: {"_TORCHDISTX_AVAIL": True, "fake": _FSDP1_FAKE, "deferred_init": _FSDP1_DEFERRED_INIT},
+)
 
 
 @contextlib.contextmanager
@@ -476,24 +477,5 @@ def fsdp1_hooks():
         ...     model = FSDP(deferred_init(Net), param_init_fn=param_init_fn,
         ...                  device_id=torch.device("cpu"))
     """
-    global _fsdp1_users
-    from torch.distributed.fsdp import _init_utils
-
-    with _fsdp1_lock:
-        if _fsdp1_users == 0:
-            for name, value in (("_TORCHDISTX_AVAIL", True), ("fake", _FSDP1_FAKE), ("deferred_init", _FSDP1_DEFERRED_INIT)):
-                _fsdp1_saved[name] = getattr(_init_utils, name, _MISSING)
-                setattr(_init_utils, name, value)
-        _fsdp1_users += 1
-    try:
+    with _FSDP1_HOOKS.held():
         yield
-    finally:
-        with _fsdp1_lock:
-            _fsdp1_users -= 1
-            if _fsdp1_users == 0:
-                for name, value in _fsdp1_saved.items():
-                    if value is _MISSING:
-                        delattr(_init_utils, name)
-                    else:
-                        setattr(_init_utils, name, value)
-                _fsdp1_saved.clear()

@@ -16,6 +16,7 @@ MODULES = [
     "deferinit",
     "deferinit.session",
     "deferinit.view",
+    "deferinit.patches",
     "deferinit.replay",
     "materialize",
     "materialize.api",

@@ -44,7 +44,7 @@ def snapshot():
         "function modes": list(_get_current_function_mode_stack()),
         "dispatch modes": list(_get_current_dispatch_mode_stack()),
         "trunc_normal_": nn.init._no_grad_trunc_normal_,
-        "patch users": patches._users,
+        "patch users": patches.TRUNC_NORMAL.users,
         "default generator": bytes(torch.default_generator.get_state().numpy()),
         "explicit generator": bytes(EXPLICIT.get_state().numpy()),
         "default dtype": torch.get_default_dtype(),

@@ -169,12 +169,12 @@ def test_two_threads_deferring_share_the_patch():
             step[0].wait()
             step[1].wait()
             # A has left: the patch must still be there for B's trunc_normal_ below
-            assert _patched() and patches._users >= 1
+            assert _patched() and patches.TRUNC_NORMAL.users >= 1
             step[2].wait()
         results["b"] = deferred_init(OwnGenModel, 7, hook)
 
     _run_threads(thread_a, thread_b)
-    assert not _patched() and patches._users == 0
+    assert not _patched() and patches.TRUNC_NORMAL.users == 0
     materialize_module(results["a"])
     materialize_module(results["b"])
     assert_same_tensors(eager_a, results["a"])
@@ -216,7 +216,7 @@ def test_patch_under_concurrent_churn():
 
     _run_threads(recorder([0, 1]), recorder([2, 3]), real_user)
     assert failures == []
-    assert not _patched() and patches._users == 0
+    assert not _patched() and patches.TRUNC_NORMAL.users == 0
 
 
 def test_error_in_one_thread_leaves_the_other_recording():
