@@ -30,7 +30,6 @@ from fake.flat import flatten_output, unflatten
 
 from .errors import DeviceUnavailableError, ExternalTensorMutatedError, ReplayError
 from .graph import Input, Node, version_seq
-from .record import Record
 from .rng import Stream, generator_of, get_state, set_state
 
 
