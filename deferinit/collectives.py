@@ -39,7 +39,8 @@ import hashlib
 
 import torch
 
-from fake.dispatch import no_python_dispatch, run
+from fake.bypass import no_python_dispatch
+from fake.dispatch import run
 from fake.tensor import FakeTensor
 
 from .errors import RecordingError

@@ -10,6 +10,7 @@ states at entry and exit.  Fakes hold their record; the graph never does.
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
@@ -94,3 +95,22 @@ class Record:
 
     def __repr__(self) -> str:
         return f"<Record {self.id} {self.label}>"
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+
+
+_local = _Local()
+
+
+def current_record() -> Record | None:
+    """The record of the innermost ``deferred_init`` running in this thread."""
+    records = _local.records
+    return records[-1] if records else None
+
+
+def open_records() -> list[Record]:
+    """The records of the ``deferred_init`` calls running in this thread, innermost last."""
+    return _local.records

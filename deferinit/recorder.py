@@ -13,14 +13,19 @@ import torch
 
 from fake import handlers
 from fake.flat import flatten
-from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, no_python_dispatch, run, writes_real
+from fake.bypass import no_python_dispatch
+from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, writes_real
 from fake.opinfo import op_info
 from fake.errors import UnsupportedOperatorError
 from fake.tensor import FakeTensor, describe
 
-from .errors import InferenceTensorInputError, MixedFakeError, RecordingError
+from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
+from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
+from .fastpath import FAST
 from .graph import Input, Node, Storage, Value
+from .record import current_record
 from .rng import stream_key
+from .where import constructing
 
 aten = torch.ops.aten
 
@@ -44,6 +49,9 @@ def is_deferred_fake(t) -> bool:
 class Recorder(FakeHandler):
     """Handler for recorded fakes (registered with :mod:`fake.handlers`)."""
 
+    # Function-level fast paths for the calls every constructor makes.
+    fast = FAST
+
     # -- the graph --------------------------------------------------------------
 
     def dispatch(self, func, args, kwargs, context):
@@ -61,7 +69,7 @@ class Recorder(FakeHandler):
         try:
             call = run(func, args, kwargs, info)
         except UnsupportedOperatorError as e:
-            raise UnsupportedOperatorError(f"{e} (while constructing {_where()})") from None
+            raise UnsupportedOperatorError(f"{e} (while constructing {constructing()})") from None
         if call.device.type == "meta":
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
@@ -111,7 +119,7 @@ class Recorder(FakeHandler):
         return call.out
 
     def where(self) -> str:
-        return f" (while constructing {_where()})"
+        return f" (while constructing {constructing()})"
 
     def _read(self, fake: FakeTensor, func, record) -> Input:
         other = fake._record
@@ -119,7 +127,7 @@ class Recorder(FakeHandler):
             raise MixedFakeError(
                 f"{func} inside deferred_init got a fake tensor {describe(fake)} made by "
                 "fake_mode, whose values are unknown, so the result could not be "
-                f"materialized (while constructing {_where()}). Create that tensor inside "
+                f"materialized (while constructing {constructing()}). Create that tensor inside "
                 "deferred_init, or use a real tensor."
             )
         if other is not record and record is not None:
@@ -151,7 +159,7 @@ class Recorder(FakeHandler):
                 if pos is None:
                     raise RecordingError(
                         f"{func} changed the shape of a tensor it does not return; this cannot "
-                        f"be recorded (while constructing {_where()})."
+                        f"be recorded (while constructing {constructing()})."
                     )
                 fake.__dict__["_value"] = Value(node, pos, fake, fake._storage)
 
@@ -166,7 +174,7 @@ class Recorder(FakeHandler):
                 f"{func or 'an operation'} inside deferred_init used an inference tensor "
                 f"{describe(t)} from outside. Inference tensors have no version counter, so "
                 "a later in-place change could not be detected and the replay could be "
-                f"silently wrong (while constructing {_where()}). Pass t.clone() made "
+                f"silently wrong (while constructing {constructing()}). Pass t.clone() made "
                 "outside torch.inference_mode() instead."
             )
         node = Node("external", None, payload=t)
@@ -247,14 +255,25 @@ class Recorder(FakeHandler):
         return self.data_access(name, fakes, compute)
 
     def data_access(self, operation, fake, compute):
-        from .evaluate import evaluate
-
         fakes = fake if isinstance(fake, list) else [fake]
         plain = [f for f in fakes if f._record is None]
         if plain:
             return super().data_access(operation, plain[0], compute)
-        reals = evaluate(fakes, operation)
+        reals = self.evaluate(fakes, operation)
         return compute(*reals)
+
+    @staticmethod
+    def evaluate(fakes, operation):
+        """Real tensors with the current values of deferred ``fakes``.
+
+        Computing values needs the interpreter, which lives in the layer
+        above; the front door (``deferinit/__init__.py``) installs
+        ``materialize.evaluate.evaluate`` here.
+        """
+        raise DataDependentError(
+            f"{operation} needs the value of a deferred tensor, and no interpreter is installed "
+            "(import deferinit, which installs materialize's)."
+        )
 
 
 def check_storage_not_real(fake: FakeTensor, op) -> None:
@@ -291,21 +310,5 @@ def _record_of(args, kwargs):
     return current_record()
 
 
-def _where() -> str:
-    from .where import constructing
-
-    return constructing()
-
-
-def current_record():
-    from .session import current_record as _current
-
-    return _current()
-
-
-from .fastpath import FAST  # noqa: E402
-from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective  # noqa: E402
-
-Recorder.fast = FAST
 RECORDER = Recorder()
 handlers.register_deferred(RECORDER)

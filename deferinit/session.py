@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from fake.mode import fake_modes
 
 from . import patches
-from .record import Record
+from .record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
-
-
-class _Local(threading.local):
-    def __init__(self) -> None:
-        self.records: list[Record] = []
-
-
-_local = _Local()
-
-
-def current_record() -> Record | None:
-    """The record of the innermost ``deferred_init`` running in this thread."""
-    records = _local.records
-    return records[-1] if records else None
 
 
 def deferred_init(module_fn, *args, **kwargs):
@@ -52,7 +36,7 @@ def deferred_init(module_fn, *args, **kwargs):
         raise TypeError(f"deferred_init() expects a callable, got {type(module_fn).__name__}")
     outer = current_record()
     record = outer if outer is not None else Record(_label(module_fn))
-    _local.records.append(record)
+    open_records().append(record)
     try:
         with patches.installed(), fake_modes(RECORDER, record, fake_cuda=True):
             return module_fn(*args, **kwargs)
@@ -61,7 +45,7 @@ def deferred_init(module_fn, *args, **kwargs):
             e.add_note(f"(raised inside deferred_init({_label(module_fn)}))")
         raise
     finally:
-        _local.records.pop()
+        open_records().pop()
         if outer is None:
             record.close()
 

@@ -17,7 +17,8 @@ from fake.flat import unflatten
 
 from .graph import Input, Node
 from .recorder import is_deferred_fake
-from .replay import Replay, read_of
+from .plan import Plan, read_of
+from .text import tensor_text
 from .where import tensor_names
 
 
@@ -59,7 +60,7 @@ class Graph:
     def __init__(self, targets: list[tuple[str, torch.Tensor]]):
         reads = [read_of(f) for _, f in targets]
         self.targets = targets
-        self.nodes: list[Node] = Replay(reads, check_devices=False).order if reads else []
+        self.nodes: list[Node] = Plan(reads).order if reads else []
         self.labels: dict[int, list[str]] = {}
         for (name, fake), read in zip(targets, reads):
             for node in _history(read):
@@ -158,24 +159,6 @@ def _fmt(x) -> str:
     if isinstance(x, torch.Tensor):
         return tensor_text(x)
     return repr(x)
-
-
-def tensor_text(t: torch.Tensor) -> str:
-    """A constant's values if it is tiny, else its dtype and shape: ``<float32 [3, 4]>``."""
-    if t.numel() <= 4 and t.device.type != "meta":
-        return repr(t.tolist())
-    return f"<{dtype_name(t.dtype)} {list(t.shape)}>"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The short name of a dtype.
-
-    Example::
-
-        >>> dtype_name(torch.bfloat16)
-        'bfloat16'
-    """
-    return str(dtype).replace("torch.", "")
 
 
 def graph_of(obj) -> Graph:

@@ -17,9 +17,7 @@ import torch
 
 
 def _storage_key(t: torch.Tensor):
-    from .tensor import FakeTensor
-
-    source = t._shadow if isinstance(t, FakeTensor) else t
+    source = t.__dict__.get("_shadow", t)  # a fake's memory is its shadow's
     return ("deferinit-storage-copy", source.untyped_storage()._cdata)
 
 
@@ -55,7 +53,7 @@ def deepcopy_tensor(t: torch.Tensor, memo: dict, internal=frozenset()) -> torch.
 
 def _copy_through_storage(t: torch.Tensor, memo: dict) -> torch.Tensor:
     key = _storage_key(t)
-    nbytes = (t._shadow if hasattr(t, "_shadow") else t).untyped_storage().nbytes()
+    nbytes = t.__dict__.get("_shadow", t).untyped_storage().nbytes()
     itemsize = t.element_size()
     whole = memo.get(key)
     if whole is None or whole.dtype != t.dtype:

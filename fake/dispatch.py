@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import handlers
+from .bypass import no_python_dispatch
 from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
@@ -26,22 +27,6 @@ DATA_OPS = {
     aten.equal.default: "torch.equal()",
     aten.is_nonzero.default: "bool()",
 }
-
-
-class no_python_dispatch:
-    """Run ATen kernels directly: no modes, no subclass handlers, no torch functions."""
-
-    __slots__ = ("_a", "_b")
-
-    def __enter__(self):
-        self._a = torch._C._DisableTorchDispatch()
-        self._b = torch._C.DisableTorchFunction()
-        self._a.__enter__()
-        self._b.__enter__()
-
-    def __exit__(self, *exc):
-        self._b.__exit__(*exc)
-        self._a.__exit__(*exc)
 
 
 def meta_twin(t: torch.Tensor) -> torch.Tensor:

@@ -76,32 +76,30 @@ def parse_to(args, kwargs):
     return (normalize(device) if device is not None else None), dtype, kwargs
 
 
-def tensor_to(self: torch.Tensor, args, kwargs, fake_cuda: bool = True):
+def tensor_to(self: torch.Tensor, args, kwargs, fake_cuda: bool = True, *, fake: bool = False):
     """``self.to(...)`` that never lets a fake device reach the argument parser.
 
-    For a fake, C++ may hold another device than the one reported (see
-    ``fake.device.backend_device``), so every move of a fake goes through
-    the dispatch layer with the intended device.
+    For a fake (``fake=True``), C++ may hold another device than the one
+    reported (see ``fake.device.backend_device``), so every move of a fake
+    goes through the dispatch layer with the intended device.
     """
-    from .tensor import FakeTensor
-
     device, dtype, rest = parse_to(args, kwargs)
     if device is not None and device == self.device:
         device = None
     if device is not None and device.type != "meta":
-        if isinstance(self, FakeTensor) or needs_rewrite(device, fake_cuda):
+        if fake or needs_rewrite(device, fake_cuda):
             return call_on_device(torch.Tensor.to, (self,), dict(rest, dtype=dtype), device)
     return torch.Tensor.to(self, device=device, dtype=dtype, **rest)
 
 
-def tensor_type_as(self: torch.Tensor, other: torch.Tensor, fake_cuda: bool = True):
+def tensor_type_as(self: torch.Tensor, other: torch.Tensor, fake_cuda: bool = True, *, fake: bool = False):
     """``self.type_as(other)``: ``other``'s dtype and (reported) device."""
-    return tensor_to(self, (other.device, other.dtype), {}, fake_cuda)
+    return tensor_to(self, (other.device, other.dtype), {}, fake_cuda, fake=fake)
 
 
-def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format, fake_cuda: bool = True):
+def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format, fake_cuda: bool = True, *, fake: bool = False):
     target = torch.device("cuda") if device is None else torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    return tensor_to(self, (), {"device": target, "non_blocking": non_blocking, "memory_format": memory_format}, fake_cuda)
+    return tensor_to(self, (), {"device": target, "non_blocking": non_blocking, "memory_format": memory_format}, fake_cuda, fake=fake)
 
 
 def rewrite_call(func, args, kwargs, fake_cuda: bool):

@@ -17,7 +17,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
+from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+from .tensor import FakeTensor
 
 
 # Calls a function past its own torch-function prologue (what
@@ -63,8 +65,6 @@ class FakeFunctionMode(TorchFunctionMode):
         if func is torch.Tensor.__deepcopy__:
             # A real tensor deep-copied under a fake mode (a template module
             # inside deferred_init): its copy is fake, laid out as eager's.
-            from .copying import deepcopy_tensor
-
             return deepcopy_tensor(args[0], args[1])
         if type(func) is FunctionType and _skip_one_hop is not None:
             # A Python function with a torch-function prologue (nn.init.*,
@@ -76,11 +76,11 @@ class FakeFunctionMode(TorchFunctionMode):
             finally:
                 _pop()
         if func is torch.Tensor.to:
-            return tensor_to(args[0], args[1:], kwargs, self.fake_cuda)
+            return tensor_to(args[0], args[1:], kwargs, self.fake_cuda, fake=isinstance(args[0], FakeTensor))
         if func is torch.Tensor.cuda:
-            return tensor_cuda(*args, **kwargs, fake_cuda=self.fake_cuda)
+            return tensor_cuda(*args, **kwargs, fake_cuda=self.fake_cuda, fake=isinstance(args[0], FakeTensor))
         if func is torch.Tensor.type_as:
-            return tensor_type_as(args[0], args[1], self.fake_cuda)
+            return tensor_type_as(args[0], args[1], self.fake_cuda, fake=isinstance(args[0], FakeTensor))
         return rewrite_call(func, args, kwargs, self.fake_cuda)
 
 

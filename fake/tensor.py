@@ -14,8 +14,11 @@ import sys
 import torch
 
 from . import handlers
+from .bypass import no_python_dispatch
+from .copying import deepcopy_tensor
 from .device import backend_device, normalize
 from .errors import FakeDataAccessError
+from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
 
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
@@ -115,8 +118,6 @@ class FakeTensor(torch.Tensor):
         super().__setattr__(name, value)
 
     def __deepcopy__(self, memo):
-        from .copying import deepcopy_tensor
-
         return deepcopy_tensor(self, memo, INTERNAL_ATTRS)
 
     # -- .data ------------------------------------------------------------------
@@ -132,24 +133,16 @@ class FakeTensor(torch.Tensor):
     # -- moving between devices ---------------------------------------------
 
     def to(self, *args, **kwargs):
-        from .function import tensor_to
-
-        return tensor_to(self, args, kwargs)
+        return tensor_to(self, args, kwargs, fake=True)
 
     def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-        from .function import tensor_cuda
-
-        return tensor_cuda(self, device, non_blocking, memory_format)
+        return tensor_cuda(self, device, non_blocking, memory_format, fake=True)
 
     def cpu(self, memory_format=torch.preserve_format):
-        from .function import tensor_to
-
-        return tensor_to(self, (), {"device": torch.device("cpu"), "memory_format": memory_format})
+        return tensor_to(self, (), {"device": torch.device("cpu"), "memory_format": memory_format}, fake=True)
 
     def type_as(self, other):
-        from .function import tensor_type_as
-
-        return tensor_type_as(self, other)
+        return tensor_type_as(self, other, fake=True)
 
     def new_empty(self, *args, **kwargs):
         return _new(torch.Tensor.new_empty, self, args, kwargs)
@@ -241,8 +234,6 @@ def make_fake(shadow: torch.Tensor, device: torch.device, requires_grad: bool = 
 
 def _new(method, self, args, kwargs):
     """``self.new_*(..., device=d)`` without letting ``d`` reach the argument parser."""
-    from .function import call_on_device, needs_rewrite
-
     if method is torch.Tensor.new_tensor:
         return _new_tensor(self, *args, **kwargs)
     device = kwargs.get("device")
@@ -261,8 +252,6 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout
     if isinstance(data, torch.Tensor) and is_fake(data):
         result = data.detach().clone().to(device=device, dtype=dtype)
     else:
-        from .dispatch import no_python_dispatch
-
         with no_python_dispatch():
             real = torch.tensor(data, dtype=dtype)
         result = handlers.for_args((self,), None).lift(real, device, self)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
+from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
-from deferinit.replay import Replay, read_of
-from deferinit.rng import generator_of, get_state, same_state, set_state
 from deferinit.where import tensor_names
 
-from .swap import dress, swap_all
-
-# Materializations of at least this many tensors may show a progress bar.
-PROGRESS_MIN_TENSORS = 16
+from .generators import hand_over_generators, streams_to_finish
+from .progress import progress_bar
+from .replay import Replay
+from .sharded import materialize_sharded
+from .swap import dress, remember_real_storages, swap_all
 
 
 def _fake_of(t):
@@ -100,8 +97,6 @@ def materialize_module(
                 targets.append((names.get(id(t), "?"), fake))
     if targets:
         complete = check_fn is None and not buffers_only
-        from .distributed import materialize_sharded  # DTensor/FSDP2 modules: shard by shard
-
         if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress, complete=complete):
             _materialize(targets, device=device, inference=inference, progress=progress, complete=complete)
     return module
@@ -111,8 +106,8 @@ def _materialize(targets, *, device, inference, progress, complete) -> None:
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
     records = {id(f._record): f._record for _, f in targets}
-    finish = _streams_to_finish(records.values()) if complete and device is None else []
-    bar = _progress_bar(progress, len(targets))
+    finish = streams_to_finish(records.values()) if complete and device is None else []
+    bar = progress_bar(progress, len(targets))
     replay = Replay(
         reads,
         device=device,
@@ -133,82 +128,4 @@ def _materialize(targets, *, device, inference, progress, complete) -> None:
 
     remember_real_storages(reads, storages, reals)
     if device is None:
-        _hand_over_generators(replay, records.values())
-
-
-def remember_real_storages(reads, storages, reals) -> None:
-    """After a swap: each recorded storage remembers its real memory and the
-    head it reflects, so that its other tensors, materialized later, share it."""
-    for read, storage, real in zip(reads, storages, reals):
-        if storage.real is None and read.value.same_geometry(real):
-            storage.real = real.untyped_storage()
-        if storage.real is not None:
-            storage.real_head = read.version
-
-
-def _streams_to_finish(records) -> list:
-    """The last draw of each of the records' streams whose final state is unknown,
-    when the generator is still where deferral left it (so it can be advanced)."""
-    nodes = []
-    for record in records:
-        for key, stream in record.streams.items():
-            end = _end_of(stream)
-            if not stream.nodes or end in stream.known:
-                continue
-            exit_state = record.exit.get(key)
-            gen = generator_of(key) if exit_state is not None else None
-            if gen is None or not same_state(get_state(gen), exit_state):
-                continue
-            nodes.append(stream.nodes[end - 1])
-    return nodes
-
-
-def _end_of(stream) -> int:
-    """The position whose state eager construction left the generator in (the
-    end of the stream, or an earlier one put back after the last draw)."""
-    end = len(stream.nodes)
-    while end in stream.same:
-        end = stream.same[end]
-    return end
-
-
-def _hand_over_generators(replay: Replay, records) -> None:
-    """Leave each generator where eager construction would have, if nothing drew
-    from it since deferral and the replay now knows that state."""
-    for record in records:
-        for key, stream in record.streams.items():
-            post = stream.known.get(_end_of(stream))
-            exit_state = record.exit.get(key)
-            if post is None or exit_state is None:
-                continue
-            gen = generator_of(key)
-            if gen is not None and same_state(get_state(gen), exit_state):
-                set_state(gen, post)
-
-
-class _Bar:
-    def __init__(self, total_tensors):
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=None, desc=f"materializing {total_tensors} tensors", unit="op", leave=False)
-
-    def update_to(self, done, total):
-        if self._bar.total != total:
-            self._bar.total = total
-        self._bar.n = done
-        if done == total or done % 64 == 0:
-            self._bar.refresh()
-
-    def close(self):
-        self._bar.close()
-
-
-def _progress_bar(progress, n_tensors):
-    if progress is None:
-        progress = os.environ.get("DEFERINIT_PROGRESS", "") not in ("", "0")
-    if not progress or n_tensors < PROGRESS_MIN_TENSORS or not sys.stderr.isatty():
-        return None
-    try:
-        return _Bar(n_tensors)
-    except ImportError:
-        return None
+        hand_over_generators(records.values())

@@ -61,3 +61,13 @@ def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for fake, real in reversed(done):
             swap(fake, real)
         raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+
+
+def remember_real_storages(reads, storages, reals) -> None:
+    """After a swap: each recorded storage remembers its real memory and the
+    head it reflects, so that its other tensors, materialized later, share it."""
+    for read, storage, real in zip(reads, storages, reals):
+        if storage.real is None and read.value.same_geometry(real):
+            storage.real = real.untyped_storage()
+        if storage.real is not None:
+            storage.real_head = read.version

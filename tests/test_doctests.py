@@ -17,7 +17,10 @@ MODULES = [
     "deferinit.session",
     "deferinit.view",
     "deferinit.patches",
-    "deferinit.replay",
+    "deferinit.plan",
+    "deferinit.text",
+    "materialize.replay",
+    "materialize.evaluate",
     "materialize",
     "materialize.api",
 ]

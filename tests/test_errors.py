@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import deferinit
-import deferinit.evaluate as evaluate
+import materialize.evaluate as evaluate
 from deferinit import (
     DataDependentError,
     DeferredInitError,

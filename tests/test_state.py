@@ -277,7 +277,7 @@ def test_progress_callback_error(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(api, "_progress_bar", lambda progress, n: Bar())
+    monkeypatch.setattr(api, "progress_bar", lambda progress, n: Bar())
     before = snapshot()
     with pytest.raises(Interrupt):
         materialize_module(m)

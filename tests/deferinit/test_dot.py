@@ -13,12 +13,8 @@ from torch import nn
 
 from deferinit import deferred_init, to_dot
 from deferinit.demo import LLAMA_70B, LLAMA_TINY, Llama
+from deferinit.dot.style import ALIAS_EDGE, RNG_EDGE, STYLES, VIEW_EDGE, WRITE_EDGE
 from deferinit.dot import (
-    ALIAS_EDGE,
-    RNG_EDGE,
-    STYLES,
-    VIEW_EDGE,
-    WRITE_EDGE,
     GraphFormatError,
     GraphViewError,
     GraphvizNotFoundError,

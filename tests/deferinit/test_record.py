@@ -616,7 +616,7 @@ def test_non_callable_is_a_type_error():
 
 
 def test_recording_time_values_have_a_size_limit(monkeypatch):
-    from deferinit import evaluate
+    from materialize import evaluate
 
     monkeypatch.setattr(evaluate, "LIMIT_BYTES", 1024)
     with pytest.raises(DataDependentError, match="LIMIT_BYTES"):

@@ -263,7 +263,7 @@ def test_failing_op_leaves_the_module_deferred_and_usable():
 
 def test_replay_error_names_the_op_and_tensor(monkeypatch):
     m = deferred_init(nn.Linear, 2, 2)
-    from deferinit import replay
+    from materialize import replay
 
     original = replay.Replay._run_node
 

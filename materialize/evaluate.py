@@ -12,19 +12,27 @@ from __future__ import annotations
 
 import os
 
+from deferinit.errors import DataDependentError
+from deferinit.where import constructing
 from fake.device import exists
 from fake.tensor import describe
 
-from .errors import DataDependentError
 from .replay import Replay, read_of
-from .where import constructing
 
 # Largest closure (bytes of the tensors read) computed while recording.
 LIMIT_BYTES = int(os.environ.get("DEFERINIT_EVAL_LIMIT_BYTES", str(1 << 30)))
 
 
 def evaluate(fakes, operation: str):
-    """Real tensors with the current values of deferred ``fakes``."""
+    """Real tensors with the current values of deferred ``fakes``.
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 3)
+        >>> (w,) = evaluate([m.weight], "item()")
+        >>> w.shape, is_deferred(m.weight)
+        (torch.Size([3, 2]), True)
+    """
     for fake in fakes:
         if not exists(fake.device):
             raise DataDependentError(

@@ -1,0 +1,128 @@
+"""The ``deferinit`` command line (also ``python -m deferinit``).
+
+Three commands::
+
+    deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config cfg.json]
+                     [--device D] [--dtype T] [--shard N]
+    deferinit graph   TARGET [ARG ...] [...] -o FILE [--module M] [--depth N] [--expand]
+    deferinit demo    [--size 70b|tiny] [--seed S] [-o FILE]
+
+``TARGET`` is ``module:callable`` (``torch.nn:Transformer``,
+``transformers:LlamaForCausalLM``, ``my_models.py:build``); ``ARG`` and the
+values of ``-k`` are Python literals (a bare word is a string).  The model is
+built with :func:`deferinit.deferred_init`, so nothing is allocated and
+nothing is downloaded.  Errors are one line on stderr (``--debug`` shows the
+traceback); exit status 0 on success, 1 when the work failed (the
+constructor raised, Graphviz is missing, the demo's check failed), 2 for bad
+input.
+
+Example::
+
+    $ deferinit inspect torch.nn:Transformer -k d_model=1024 -k nhead=16 --shard 8
+    $ deferinit graph torch.nn:TransformerEncoderLayer 64 4 -o layer.svg
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import commands
+from .errors import CommandError, ConstructorError, TargetError, UsageError
+from .targets import first_line
+
+PROG = "deferinit"
+
+__all__ = ["CommandError", "ConstructorError", "TargetError", "UsageError", "main", "make_parser"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        if message.startswith("the following arguments are required: TARGET"):
+            message = "missing TARGET: module:callable, e.g. torch.nn:Transformer"
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The argument parser of the command line.
+
+    Example::
+
+        >>> make_parser().parse_args(["graph", "torch.nn:Linear", "4", "2", "-o", "x.svg"]).output
+        'x.svg'
+    """
+    parser = _Parser(
+        prog=PROG,
+        description="Build PyTorch models deferred (no memory), inspect them, draw their record.",
+        epilog="Run `deferinit demo` to see it on a 70B-parameter Llama-shaped model.",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    parser.add_argument("--debug", dest="debug_first", action="store_true", help="show Python tracebacks on errors")
+
+    target = argparse.ArgumentParser(add_help=False)
+    target.add_argument("target", metavar="TARGET", help="module:callable, e.g. torch.nn:Transformer or my_model.py:build")
+    target.add_argument("args", metavar="ARG", nargs="*", help="positional arguments (Python literals)")
+    target.add_argument("-k", "--kwarg", action="append", metavar="NAME=VALUE",
+                        help="keyword argument, value a Python literal (a bare word is a string); repeatable")
+    target.add_argument("--config", metavar="JSON", help="a transformers config file; the config object is passed first")
+    target.add_argument("--device", metavar="D",
+                        help="device to build on (passed as device= when the callable takes it, else as torch.device(D) context); cuda works without CUDA")
+    target.add_argument("--dtype", metavar="T",
+                        help="default floating dtype while building (torch.set_default_dtype), e.g. bfloat16")
+
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    p = sub.add_parser("inspect", parents=[common, target], help="build deferred and print parameter/memory statistics",
+                       description="Build TARGET deferred and print its parameters, buffers and memory needs.")
+    p.add_argument("--shard", type=int, metavar="N", help="also show per-device memory when fully sharded over N devices")
+    p.set_defaults(run=commands.inspect)
+
+    p = sub.add_parser("graph", parents=[common, target], help="write the graphviz view of the record",
+                       description="Build TARGET deferred and draw its record (.svg, .png, .pdf need Graphviz's dot; .dot does not).")
+    p.add_argument("-o", "--output", required=True, metavar="FILE", help="output file: .svg, .png, .pdf or .dot")
+    p.add_argument("--module", metavar="PATH", help="draw only this submodule, e.g. layers.3")
+    p.add_argument("--depth", type=int, metavar="N", help="fold modules N levels below the drawn one into boxes")
+    p.add_argument("--expand", action="store_true", help="draw every repeated block instead of one marked xN")
+    p.add_argument("--no-legend", action="store_true", help="leave out the legend")
+    p.add_argument("--rankdir", default="LR", choices=["LR", "TB"], help="layout: left to right (default) or top to bottom")
+    p.set_defaults(run=commands.graph)
+
+    p = sub.add_parser("demo", parents=[common], help="defer a 70B Llama-shaped model, inspect, draw, check a block",
+                       description="Build a Llama-3-70B-shaped model deferred, print its table, draw it, "
+                                   "materialize one block on CPU and compare it with eager PyTorch.")
+    p.add_argument("--size", choices=["70b", "tiny"], default="70b", help="model size (default 70b)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("-o", "--output", default="deferinit-demo.svg", metavar="FILE",
+                   help="where to write the graph (default deferinit-demo.svg)")
+    p.set_defaults(run=commands.demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; return the exit status.
+
+    Example::
+
+        >>> main(["inspect", "torch.nn:Linear", "8192", "8192", "--dtype", "bfloat16"])
+        0
+    """
+    parser = make_parser()
+    opts = parser.parse_args(argv)
+    opts.debug = opts.debug or opts.debug_first
+    out = sys.stdout
+    try:
+        return opts.run(opts, out)
+    except CommandError as e:
+        if opts.debug:
+            raise
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return e.status
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug here or in the library: still one line unless --debug
+        if opts.debug:
+            raise
+        print(f"{PROG}: error: {type(e).__name__}: {first_line(e)} (run with --debug for the traceback)", file=sys.stderr)
+        return 1

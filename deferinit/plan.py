@@ -1,0 +1,212 @@
+"""What a replay must run: the closure of some reads and the random draws before them.
+
+Shared by the interpreter (:mod:`materialize.replay`), the printed graph
+(:mod:`deferinit.view`) and the graphviz view, so it lives beside the graph.
+
+* **The closure.**  To read a value at a version, replay its creator and the
+  chain of writes to its storage up to that version, recursively.  Reads of
+  a storage that is already real (a view or base materialized earlier)
+  start from the real memory, so they need only the writes made since.
+* **Random streams.**  A random node must draw from the state its generator
+  had eagerly.  For every needed draw, the draws between the nearest known
+  earlier state and it are planned too (their results are thrown away).
+* **Devices.**  A :class:`DeviceMap` maps every recorded device to another
+  one; draws recorded for several devices then come from one generator.
+
+Example::
+
+    >>> m = deferred_init(torch.nn.Linear, 2, 3)
+    >>> [str(n.target) for n in Plan([read_of(m.bias)]).order]
+    ['aten.empty.memory_format', 'aten.empty.memory_format', 'aten.uniform_.default', 'aten.uniform_.default']
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fake.device import normalize
+
+from .errors import ReplayError
+from .graph import Input, Node, version_seq
+from .rng import Stream
+
+
+class DeviceMap:
+    """Maps recorded devices to replay devices (identity when ``target`` is None)."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target=None):
+        self.target = normalize(target) if target is not None else None
+
+    def __call__(self, device: torch.device) -> torch.device:
+        if self.target is None or device.type == "meta":
+            return device
+        return self.target
+
+    def stream_key(self, key):
+        if type(key) is not torch.device or self.target is None:
+            return key
+        return self.target
+
+
+def real_read(inp: Input) -> bool:
+    """Whether a read is served by a storage that is already real."""
+    storage = inp.value.storage
+    return (
+        storage is not None
+        and storage.real is not None
+        and version_seq(inp.version) >= version_seq(storage.real_head)
+    )
+
+
+def closure(reads, nodes=(), needed: dict | None = None) -> dict:
+    """``id(node) -> node`` for every node the ``reads`` need (the creator of the
+    value read and the writes to its storage up to the version read,
+    recursively), plus ``nodes`` and what they need; added to ``needed``.
+
+    Reads served by memory that is already real need only the writes made
+    to it since.
+    """
+    needed = {} if needed is None else needed
+    stack: list[Node] = list(nodes)
+
+    def read(inp: Input) -> None:
+        if real_read(inp):
+            real_head = inp.value.storage.real_head
+            if inp.version is not None and version_seq(inp.version) > version_seq(real_head):
+                stack.append(inp.version)
+            return
+        stack.append(inp.value.node)
+        if inp.version is not None:
+            stack.append(inp.version)
+
+    for inp in reads:
+        read(inp)
+    while stack:
+        node = stack.pop()
+        if id(node) in needed:
+            continue
+        needed[id(node)] = node
+        for x in node.flat:
+            if type(x) is Input:
+                read(x)
+    return needed
+
+
+class ReplayStream:
+    """The draws one generator makes in a replay, in order, with known states
+    (``known``) and positions whose state is an earlier one's (``same``)."""
+
+    __slots__ = ("key", "nodes", "index", "known", "same", "generator")
+
+    def __init__(self, key, nodes, known, same):
+        self.key = key
+        self.nodes = nodes
+        self.index = {id(n): i for i, n in enumerate(nodes)}
+        self.known = known
+        self.same = same
+        self.generator = None
+
+    def needs(self, k: int):
+        """The draws to replay so that the state before draw ``k`` is known."""
+        known, same = self.known, self.same
+        while k not in known:
+            if k in same:
+                k = same[k]
+            elif k == 0:
+                return
+            else:
+                k -= 1
+                yield self.nodes[k]
+
+    def state_before(self, k: int):
+        while k in self.same:
+            k = self.same[k]
+        return self.known.get(k)
+
+    def learn(self, k: int, state) -> None:
+        if k not in self.known and k not in self.same:
+            self.known[k] = state
+
+
+def _replay_streams(streams: list[Stream], device_map: DeviceMap) -> dict:
+    """Group record streams into replay streams (a device remap may merge several)."""
+    by_target: dict = {}
+    for stream in streams:
+        record = stream.record() if stream.record is not None else None
+        by_target.setdefault((id(record), device_map.stream_key(stream.key)), (record, []))[1].append(stream)
+    result = {}
+    for (_, key), (record, group) in by_target.items():
+        if len(group) == 1 and group[0].key == key:
+            stream = group[0]
+            rs = ReplayStream(key, stream.nodes, stream.known, stream.same)
+        else:
+            # Draws recorded for several devices now come from one generator,
+            # in recorded order, starting from its state at deferred_init entry.
+            cache_key = (key, frozenset(id(s) for s in group))
+            known = record.merged.setdefault(cache_key, {}) if record is not None else {}
+            if 0 not in known and record is not None and key in record.entry:
+                known[0] = record.entry[key]
+            nodes = sorted((n for s in group for n in s.nodes), key=lambda n: n.seq)
+            rs = ReplayStream(key, nodes, known, {})
+        for stream in group:
+            result[id(stream)] = rs
+    return result
+
+
+class Plan:
+    """The nodes that reading ``targets`` (and running ``extra``, for their
+    effect on the generators) needs, in recorded order, with the random
+    streams they draw from (``streams``: ``id(record stream) -> ReplayStream``).
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 3)
+        >>> len(Plan([read_of(m.weight)]).order)
+        2
+    """
+
+    def __init__(self, targets: list[Input], *, device=None, extra=()):
+        self.targets = targets
+        # Nodes replayed only for their effect on the generators.
+        self.extra = list(extra)
+        self.device_map = DeviceMap(device)
+        self.streams: dict = {}
+        self.order: list[Node] = []
+        self._plan()
+
+    def _plan(self) -> None:
+        needed = closure(self.targets, self.extra)
+
+        # Random draws: replay, from the nearest known state, every draw up
+        # to each needed one (their own inputs included), until nothing new.
+        seen_streams: dict[int, Stream] = {}
+        while True:
+            for node in list(needed.values()):
+                if node.rng is not None:
+                    stream = node.rng[0]()
+                    if stream is None:
+                        raise ReplayError(f"the record of {node} is gone; it cannot be replayed")
+                    seen_streams.setdefault(id(stream), stream)
+            self.streams = _replay_streams(list(seen_streams.values()), self.device_map)
+            before = len(needed)
+            draws = []
+            for node in list(needed.values()):
+                if node.rng is not None:
+                    rs = self.streams[id(node.rng[0]())]
+                    draws.extend(rs.needs(rs.index[id(node)]))
+            closure((), draws, needed)
+            if len(needed) == before:
+                break
+
+        self.order = sorted(needed.values(), key=lambda n: n.seq)
+
+    @property
+    def replay_streams(self) -> list[ReplayStream]:
+        return list({id(rs): rs for rs in self.streams.values()}.values())
+
+
+def read_of(fake) -> Input:
+    """The read of a deferred fake as it is now (its value at its storage's head)."""
+    return Input(fake._value, fake._storage.head)

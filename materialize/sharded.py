@@ -1,0 +1,304 @@
+"""Materializing modules whose parameters are sharded (FSDP2, tensor parallel):
+one storage at a time, each rank computing its own shards only.
+
+Sharding a deferred module does not need anything special: ``fully_shard``,
+``distribute_tensor`` and ``parallelize_module`` cut the fake parameters
+with ordinary operators (``split``, ``new_zeros``, ``copy_``, ``narrow``),
+and every one of them extends the record.  What this module adds:
+
+* **The fakes FSDP2 holds besides the parameters.**  ``FSDPParam`` keeps the
+  padded flat shard (``_sharded_param_data``) of which the DTensor's local
+  tensor is a view.  It is materialized in the same replay as the local
+  tensor, so the two really alias, as they do eagerly.
+* **One parameter at a time.**  A sharded record has every full-tensor
+  initialisation before the first cut; replayed as one piece it would hold
+  the whole model.  Sharded modules are therefore replayed one storage at a
+  time, in the order of their random draws: a rank's peak is its shards
+  plus one full parameter.  A shard that is a view of a bigger tensor
+  nobody else holds is copied out so the full tensor can be freed.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from deferinit.graph import Input
+from deferinit.plan import closure, read_of
+from deferinit.recorder import is_deferred_fake
+
+from .generators import hand_over_generators, streams_to_finish
+from .progress import progress_bar
+from .replay import Replay
+from .swap import dress, remember_real_storages, swap_all
+
+
+def _dtensor_class():
+    # No DTensor can exist before its module was imported (and importing it
+    # costs a fraction of a second): look it up, never import it here.
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _has_dtensors(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is a DTensor."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return False
+    for t in module.parameters():
+        if isinstance(t, dtensor):
+            return True
+    for t in module.buffers():
+        if isinstance(t, dtensor):
+            return True
+    return False
+
+
+def _fsdp_params(module: torch.nn.Module):
+    """``(qualified module name, FSDPParam)`` for every FSDP2 unit inside ``module``."""
+    if not torch.distributed.is_available():
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return
+    for name, sub in module.named_modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        group = getattr(state, "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()) or ():
+            yield name, fsdp_param
+
+
+# The FSDPParam attributes that may hold a view of the sharded parameter's
+# memory (torch 2.4 - 2.13).
+_FSDP_PARAM_ATTRS = ("_sharded_param_data", "_sharded_post_forward_param_data")
+
+
+def fsdp_held_fakes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The deferred fakes FSDP2 keeps for ``module``'s sharded parameters, besides
+    the parameters themselves: ``(label, fake)`` pairs.
+
+    Example::
+
+        >>> fully_shard(model)
+        >>> [label for label, _ in fsdp_held_fakes(model)]
+        ['layers.0.weight (FSDP padded shard)', ...]
+    """
+    found = []
+    names = None
+    for unit, fsdp_param in _fsdp_params(module):
+        if names is None:
+            names = {id(sub): name for name, sub in module.named_modules()}
+        info = getattr(fsdp_param, "_module_info", None)
+        pname = getattr(info, "param_name", "?")
+        prefix = names.get(id(getattr(info, "module", None)), unit)
+        label = f"{prefix}.{pname}" if prefix else pname
+        for attr in _FSDP_PARAM_ATTRS:
+            t = getattr(fsdp_param, attr, None)
+            if is_deferred_fake(t):
+                kind = "padded shard" if attr == "_sharded_param_data" else "post-forward shard"
+                found.append((f"{label} (FSDP {kind})", t))
+    return found
+
+
+def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, complete=False) -> bool:
+    """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one storage at a time.
+
+    Called by :func:`materialize.materialize_module`; returns False, doing
+    nothing, when ``module`` holds no DTensor (the caller then replays
+    everything at once).  Fakes FSDP2 holds for the targets are added.
+    Every result is computed before anything is swapped in: on failure the
+    module is left as it was.
+
+    Example::
+
+        >>> fully_shard(model)
+        >>> materialize_sharded(model, [("w", model.w._local_tensor)])
+        True
+    """
+    if not _has_dtensors(module):
+        return False
+    units = groups(module, targets)
+    targets = [t for group in units for t in group]
+    records = {id(f._record): f._record for _, f in targets}
+    finish = streams_to_finish(records.values()) if complete and device is None else []
+
+    bar = progress_bar(progress, len(targets))
+    computed = []  # (group, reads, reals, compacted)
+    try:
+        for done, group in enumerate(units):
+            reads = [read_of(f) for _, f in group]
+            replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
+            _skip_hidden_fills(replay)
+            reals = replay.run()
+            del replay
+            reals, compacted = _compact(group, reals)
+            computed.append((group, reads, reals, compacted))
+            if bar is not None:
+                bar.update_to(done + 1, len(units))
+        if finish:
+            Replay([], device=device, inference=inference, extra=finish).run()
+    finally:
+        if bar is not None:
+            bar.close()
+
+    pairs = []
+    for group, _, reals, _ in computed:
+        for (_, fake), real in zip(group, reals):
+            pairs.append((fake, dress(fake, real, inference)))
+    storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
+    swap_all(pairs)
+
+    for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
+        if compacted:
+            continue  # nothing else can read that storage (see _compact)
+        remember_real_storages(reads, group_storages, reals)
+    if device is None:
+        hand_over_generators(records.values())
+    return True
+
+
+def groups(module, targets) -> list[list]:
+    """The targets plus the fakes FSDP2 holds on their storages, grouped by
+    recorded storage (a shard and FSDP's padded buffer go together, so they
+    alias), in the order of their first random draw."""
+    targets = list(targets)
+    storages = {id(f._storage) for _, f in targets}
+    seen = {id(f) for _, f in targets}
+    for label, fake in fsdp_held_fakes(module):
+        if id(fake) not in seen and id(fake._storage) in storages:
+            seen.add(id(fake))
+            targets.append((label, fake))
+    by_storage: dict[int, list] = {}
+    for name, fake in targets:
+        by_storage.setdefault(id(fake._storage), []).append((name, fake))
+    ordered = list(by_storage.values())
+    ordered.sort(key=lambda group: _first_draw(group_closure(group)))
+    return ordered
+
+
+def group_closure(group) -> list:
+    """The recorded nodes the group's tensors are computed from (not counting the
+    earlier draws replay may need only to reach a generator state)."""
+    return list(closure([read_of(fake) for _, fake in group]).values())
+
+
+def _first_draw(nodes) -> int:
+    """Sequence number of the first random node among ``nodes`` (-1 if none):
+    replaying groups in this order replays every draw once."""
+    draws = [node.seq for node in nodes if node.rng is not None]
+    return min(draws) if draws else -1
+
+
+_aten = torch.ops.aten
+# In-place fills that write every element of their tensor without reading it.
+_FILLS = frozenset({
+    _aten.uniform_.default, _aten.normal_.default, _aten.fill_.Scalar, _aten.zero_.default,
+    _aten.bernoulli_.float, _aten.exponential_.default, _aten.log_normal_.default,
+    _aten.cauchy_.default, _aten.geometric_.default,
+})
+
+
+def _skip_hidden_fills(replay) -> int:
+    """Drop from a replay's plan the fills that a later fill of the same tensor hides.
+
+    A constructor draws a parameter (``reset_parameters``) and a model-level
+    initialiser draws it again (transformers' ``_init_weights``).  Replaying
+    one parameter at a time, the first draw of each is computed once while
+    replaying an earlier parameter (to reach the generator state of the
+    second draws) and would be computed again for its own parameter, whose
+    value it cannot change.  A fill is skipped when the next write to its
+    tensor is a fill of exactly the same elements, nothing reads the tensor
+    in between, and the generator state after it is already known.  Returns
+    how many were skipped (0 whenever the plan does not look as expected).
+    """
+    try:
+        order = replay.order
+        readers: dict = {}
+        for node in order:
+            for x in node.flat:
+                if type(x) is Input and x.version is not None:
+                    readers[id(x.version)] = readers.get(id(x.version), 0) + 1
+        for read in replay.targets:
+            if read.version is not None:
+                readers[id(read.version)] = readers.get(id(read.version), 0) + 1
+        planned = {id(n) for n in order}
+        hidden = set()
+        for node in order:
+            if node.kind != "op" or node.target not in _FILLS or node.writes != (0,):
+                continue
+            read = node.flat[0]
+            earlier = read.version if type(read) is Input else None
+            if earlier is None or id(earlier) not in planned or readers.get(id(earlier)) != 1:
+                continue
+            if earlier.kind != "op" or earlier.target not in _FILLS or earlier.writes != (0,):
+                continue
+            a, b = earlier.flat[0].value, read.value
+            if (a.size, a.stride, a.offset, a.dtype) != (b.size, b.stride, b.offset, b.dtype):
+                continue
+            if earlier.rng is not None:
+                stream = replay.streams[id(earlier.rng[0]())]
+                if stream.state_before(stream.index[id(earlier)] + 1) is None:
+                    continue
+            hidden.add(id(earlier))
+        if hidden:
+            replay.order = [n for n in order if id(n) not in hidden]
+        return len(hidden)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return 0
+
+
+def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
+    size = t.element_size()
+    if t.numel() == 0:
+        return t.storage_offset() * size, t.storage_offset() * size
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+
+
+def _compact(group, reals):
+    """Copy a group's tensors out of a storage much bigger than they span (a shard
+    viewing the full tensor), when no other fake can read that storage later.
+
+    Returns ``(reals, compacted)``.
+    """
+    if not reals or any(r.device.type == "meta" for r in reals):
+        return reals, False
+    storage = reals[0].untyped_storage()
+    if any(r.untyped_storage().data_ptr() != storage.data_ptr() for r in reals):
+        return reals, False
+    spans = [extent_bytes(r) for r in reals]
+    align = max(16, max(r.element_size() for r in reals))
+    lo = min(a for a, _ in spans) // align * align
+    hi = max(b for _, b in spans)
+    if hi - lo >= storage.nbytes() or not held_only_by(group):
+        return reals, False
+    device = reals[0].device
+    mode = torch.inference_mode() if reals[0].is_inference() else torch.no_grad()
+    with mode:
+        source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, lo, (hi - lo,), (1,))
+        compact = source.clone().untyped_storage()
+        out = []
+        for r in reals:
+            offset = (r.storage_offset() * r.element_size() - lo) // r.element_size()
+            out.append(torch.empty(0, dtype=r.dtype, device=device).set_(compact, offset, r.shape, r.stride()))
+    return out, True
+
+
+def held_only_by(group) -> bool:
+    """Whether the recorded storage of ``group`` is referenced by its fakes only
+    (CPython reference counts: a fake holds its storage in ``__dict__``)."""
+    storage = group[0][1]._storage
+    held = sum(1 for _, f in group if f.__dict__.get("_storage") is storage)
+    # A control object referenced the same way (a local, `held` dicts)
+    # calibrates the count for this interpreter.
+    control = object()
+    holders = [{"_storage": control} for _ in range(held)]
+    same = sys.getrefcount(storage) == sys.getrefcount(control)
+    del holders
+    return same
+
+

@@ -1,0 +1,124 @@
+"""The layout stays as docs/design.md draws it: imports point one way
+(materialize -> deferinit -> fake), no file imports itself back through
+others, and every file keeps to one job (about 400 lines at most)."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("fake", "deferinit", "materialize")
+MAX_LINES = 400
+# Files that sit on top of all three layers: the front door re-exports and
+# wires them, the command line is an application of them.
+TOP = ("deferinit/__init__.py", "deferinit/__main__.py", "deferinit/cli/")
+
+
+def _files():
+    for package in PACKAGES:
+        for folder, _, names in os.walk(os.path.join(ROOT, package)):
+            for name in names:
+                if name.endswith(".py"):
+                    yield os.path.relpath(os.path.join(folder, name), ROOT)
+
+
+def _module_of(path: str) -> str:
+    parts = path[:-3].split(os.sep)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: str, files: dict) -> set[str]:
+    """The project files ``path`` imports, at module level or inside functions."""
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read(), path)
+    module = _module_of(path)
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import sub` imports the submodule file when there is one.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and files[name] != path:
+                found.add(files[name])
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    files = {_module_of(p): p for p in _files()}
+    return {path: _imports(path, files) for path in files.values()}
+
+
+def _find_cycle(graph: dict) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(path):
+        state[path] = 1
+        stack.append(path)
+        for other in sorted(graph[path]):
+            if state.get(other) == 1:
+                return stack[stack.index(other):] + [other]
+            if other not in state:
+                cycle = visit(other)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[path] = 2
+        return None
+
+    for path in sorted(graph):
+        if path not in state:
+            cycle = visit(path)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycles_between_files(graph):
+    cycle = _find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize("lower, upper", [("fake", "deferinit"), ("fake", "materialize"), ("deferinit", "materialize")])
+def test_imports_point_one_way(graph, lower, upper):
+    wrong = [
+        f"{path} imports {other}"
+        for path, others in graph.items()
+        if path.startswith(lower + os.sep) and not path.startswith(TOP)
+        for other in others
+        if other.startswith(upper + os.sep)
+    ]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_files_keep_to_one_job():
+    long = []
+    for path in _files():
+        with open(os.path.join(ROOT, path)) as f:
+            n = sum(1 for _ in f)
+        if n > MAX_LINES:
+            long.append(f"{path} ({n} lines)")
+    assert not long, "split by job: " + ", ".join(long)
+
+
+def test_the_checks_can_fail():
+    assert _find_cycle({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}}) == ["a.py", "b.py", "c.py", "a.py"]
+    assert _find_cycle({"a.py": {"b.py"}, "b.py": set()}) is None
