@@ -56,7 +56,14 @@ def _evaluate(fakes, operation):
     return evaluate(fakes, operation)
 
 
+def _generator_state(stream, k):
+    from materialize.evaluate import generator_state
+
+    return generator_state(stream, k)
+
+
 RECORDER.evaluate = _evaluate
+RECORDER.generator_state = _generator_state
 
 
 def __getattr__(name):

@@ -45,6 +45,7 @@ from fake.tensor import FakeTensor
 
 from .errors import RecordingError
 from .graph import Input
+from .rng import SAME, SEED
 
 # Operator namespaces of collectives (ProcessGroup ops and functional collectives).
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})
@@ -329,22 +330,31 @@ def _describe_arg(x, number):
 
 
 def _draw_origin(stream, index: int) -> tuple:
-    """Where the state before draw ``index`` comes from: the nearest known state and
-    how many draws after it."""
+    """Where the state before draw ``index`` comes from: the nearest state the
+    record knows from recording (not what replays learned since, which may
+    differ between ranks) and how many draws after it."""
     if stream is None:
         return ("gone",)
     key = stream.key
     key_text = str(key) if isinstance(key, torch.device) else type(key).__name__
     k, distance = index, 0
-    while k not in stream.known:
-        if k in stream.same:
-            k = stream.same[k]
-        elif k == 0:
-            return (key_text, distance, b"")
-        else:
-            k -= 1
-            distance += 1
-    return (key_text, distance, _tensor_digest(stream.known[k]))
+    while True:
+        event = stream.events.get(k)
+        if event is not None:
+            kind, value = event[1], event[2]
+            if kind == SAME:  # the state right after draw `value`
+                k, distance = value, distance + 1
+                continue
+            if kind == SEED:
+                return (key_text, distance, ("seed", value))
+            return (key_text, distance, _tensor_digest(value))
+        if k == 0:
+            if stream.after is None:
+                return (key_text, distance, b"")
+            stream, k = stream.after, len(stream.after.nodes)
+            continue
+        k -= 1
+        distance += 1
 
 
 def _tensor_digest(t) -> bytes:

@@ -26,7 +26,7 @@ from fake.state import current_intended_device
 from fake.tensor import FakeTensor, make_fake
 
 from .graph import Input, Node, Storage, Value
-from .rng import GeneratorKey
+from .rng import key_of_generator
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -87,7 +87,7 @@ def _factory(op, keys):
             return NotImplemented
         if device is None:
             device = current_intended_device() or default_device()
-        if type(device) is not torch.device or (device.index is None and device.type != "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
             device = normalize(device)
         if device.type == "meta":
             return NotImplemented
@@ -187,7 +187,7 @@ def _fill(op):
         _default_dtype_node(node)
         node.writes = (0,)
         if random:
-            record.add_random(node, GeneratorKey(generator) if generator is not None else d["_device"])
+            record.add_random(node, key_of_generator(generator) if generator is not None else d["_device"], storage)
         storage.head = node
         _increment_version((self,))
         return self

@@ -30,6 +30,11 @@ import torch
 _seq = itertools.count()
 
 
+def next_seq() -> int:
+    """The next sequence number: nodes and generator events share one clock."""
+    return next(_seq)
+
+
 class Node:
     """One recorded call.
 
@@ -48,6 +53,9 @@ class Node:
     # (weak reference to the record stream, index in that stream) for nodes
     # that draw random numbers, else None.
     rng = None
+    # Weak reference to the storage a random node writes or makes: a draw
+    # whose storage nobody holds any more was a temporary.
+    rng_target = None
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False

@@ -51,8 +51,8 @@ class SharedPatch:
         self._saved: dict = {}
         self.users = 0
 
-    @contextlib.contextmanager
-    def held(self):
+    def acquire(self) -> None:
+        """Hold the patch (installing it if nobody held it); pair with :meth:`release`."""
         with self._lock:
             if self.users == 0:
                 module = self._module()
@@ -60,19 +60,26 @@ class SharedPatch:
                     self._saved[name] = getattr(module, name, _MISSING)
                     setattr(module, name, value)
             self.users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                module = self._module()
+                for name, original in reversed(list(self._saved.items())):
+                    if original is _MISSING:
+                        delattr(module, name)
+                    else:
+                        setattr(module, name, original)
+                self._saved.clear()
+
+    @contextlib.contextmanager
+    def held(self):
+        self.acquire()
         try:
             yield
         finally:
-            with self._lock:
-                self.users -= 1
-                if self.users == 0:
-                    module = self._module()
-                    for name, original in self._saved.items():
-                        if original is _MISSING:
-                            delattr(module, name)
-                        else:
-                            setattr(module, name, original)
-                    self._saved.clear()
+            self.release()
 
 
 # (global name in torch.nn.init, positional parameters after the tensor)

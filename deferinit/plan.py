@@ -29,6 +29,7 @@ from fake.device import normalize
 from .errors import ReplayError
 from .graph import Input, Node, version_seq
 from .rng import Stream
+from .streams import ReplayStream, replay_streams
 
 
 class DeviceMap:
@@ -94,67 +95,6 @@ def closure(reads, nodes=(), needed: dict | None = None) -> dict:
     return needed
 
 
-class ReplayStream:
-    """The draws one generator makes in a replay, in order, with known states
-    (``known``) and positions whose state is an earlier one's (``same``)."""
-
-    __slots__ = ("key", "nodes", "index", "known", "same", "generator")
-
-    def __init__(self, key, nodes, known, same):
-        self.key = key
-        self.nodes = nodes
-        self.index = {id(n): i for i, n in enumerate(nodes)}
-        self.known = known
-        self.same = same
-        self.generator = None
-
-    def needs(self, k: int):
-        """The draws to replay so that the state before draw ``k`` is known."""
-        known, same = self.known, self.same
-        while k not in known:
-            if k in same:
-                k = same[k]
-            elif k == 0:
-                return
-            else:
-                k -= 1
-                yield self.nodes[k]
-
-    def state_before(self, k: int):
-        while k in self.same:
-            k = self.same[k]
-        return self.known.get(k)
-
-    def learn(self, k: int, state) -> None:
-        if k not in self.known and k not in self.same:
-            self.known[k] = state
-
-
-def _replay_streams(streams: list[Stream], device_map: DeviceMap) -> dict:
-    """Group record streams into replay streams (a device remap may merge several)."""
-    by_target: dict = {}
-    for stream in streams:
-        record = stream.record() if stream.record is not None else None
-        by_target.setdefault((id(record), device_map.stream_key(stream.key)), (record, []))[1].append(stream)
-    result = {}
-    for (_, key), (record, group) in by_target.items():
-        if len(group) == 1 and group[0].key == key:
-            stream = group[0]
-            rs = ReplayStream(key, stream.nodes, stream.known, stream.same)
-        else:
-            # Draws recorded for several devices now come from one generator,
-            # in recorded order, starting from its state at deferred_init entry.
-            cache_key = (key, frozenset(id(s) for s in group))
-            known = record.merged.setdefault(cache_key, {}) if record is not None else {}
-            if 0 not in known and record is not None and key in record.entry:
-                known[0] = record.entry[key]
-            nodes = sorted((n for s in group for n in s.nodes), key=lambda n: n.seq)
-            rs = ReplayStream(key, nodes, known, {})
-        for stream in group:
-            result[id(stream)] = rs
-    return result
-
-
 class Plan:
     """The nodes that reading ``targets`` (and running ``extra``, for their
     effect on the generators) needs, in recorded order, with the random
@@ -167,11 +107,14 @@ class Plan:
         2
     """
 
-    def __init__(self, targets: list[Input], *, device=None, extra=()):
+    def __init__(self, targets: list[Input], *, device=None, extra=(), finish: bool = False):
         self.targets = targets
         # Nodes replayed only for their effect on the generators.
         self.extra = list(extra)
         self.device_map = DeviceMap(device)
+        # Also replay the temporaries drawn after the last needed draw of a
+        # stream, so that the state eager construction ended in is known.
+        self.finish = finish
         self.streams: dict = {}
         self.order: list[Node] = []
         self._plan()
@@ -181,21 +124,23 @@ class Plan:
 
         # Random draws: replay, from the nearest known state, every draw up
         # to each needed one (their own inputs included), until nothing new.
-        seen_streams: dict[int, Stream] = {}
+        seen: dict[int, Stream] = {}
         while True:
             for node in list(needed.values()):
                 if node.rng is not None:
                     stream = node.rng[0]()
                     if stream is None:
                         raise ReplayError(f"the record of {node} is gone; it cannot be replayed")
-                    seen_streams.setdefault(id(stream), stream)
-            self.streams = _replay_streams(list(seen_streams.values()), self.device_map)
+                    seen.setdefault(id(stream), stream)
+            self.streams = replay_streams(list(seen.values()), self.device_map)
             before = len(needed)
             draws = []
             for node in list(needed.values()):
                 if node.rng is not None:
                     rs = self.streams[id(node.rng[0]())]
                     draws.extend(rs.needs(rs.index[id(node)]))
+            if self.finish:
+                draws.extend(_trailing_temporaries(self.replay_streams, needed))
             closure((), draws, needed)
             if len(needed) == before:
                 break
@@ -205,6 +150,21 @@ class Plan:
     @property
     def replay_streams(self) -> list[ReplayStream]:
         return list({id(rs): rs for rs in self.streams.values()}.values())
+
+
+def _trailing_temporaries(streams, needed: dict) -> list:
+    """The draws after the last needed draw of each stream, when all of them were
+    temporaries (no tensor holds what they drew): replaying them tells the
+    state eager construction ended in, at the cost of a few small draws."""
+    draws = []
+    for rs in streams:
+        last = max((i for i, n in enumerate(rs.nodes) if id(n) in needed), default=None)
+        if last is None or last == len(rs.nodes) - 1 or rs.end_state() is not None:
+            continue
+        tail = rs.nodes[last + 1 :]
+        if all(n.rng_target is not None and n.rng_target() is None for n in tail):
+            draws.extend(tail)
+    return draws
 
 
 def read_of(fake) -> Input:

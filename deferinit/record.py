@@ -3,98 +3,248 @@
 The graph itself lives in nodes and values reachable from the fakes.  The
 record keeps what is *not* reachable that way: the random nodes of each
 generator stream, in order (a random temporary that nothing keeps still
-advanced the generator eagerly, so it must be replayed), and the generator
-states at entry and exit.  Fakes hold their record; the graph never does.
+advanced the generator eagerly, so it must be replayed), what user code did
+to the generators (see :mod:`deferinit.rng` and :mod:`deferinit.seeding`),
+and the generators' real states when recording started and stopped.  Fakes
+hold their record; the graph never does.
+
+Recording never writes to a default generator: they are shared by every
+thread of the process.  Explicit generators (``torch.Generator`` objects
+passed as ``generator=``) are *marked* after each draw instead (seeded with a
+tag standing for "right after draw d"), so that one put back to an earlier
+state is recognised, and given back their real state when recording stops.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import torch
 
-from .rng import Stream, generator_of, get_state, gettable, new_tag, set_state
+from .graph import next_seq
+from .rng import (
+    CPU, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_fingerprint, fingerprint, generator_of, get_state,
+    gettable, new_tag, seeded_state, set_state,
+)
 
 _ids = itertools.count(1)
-_CPU = torch.device("cpu")
 
 
 class Record:
     """The session state of one ``deferred_init`` call (nested calls share it)."""
 
-    __slots__ = ("id", "label", "streams", "entry", "exit", "merged", "parents", "open", "markers", "__weakref__")
+    __slots__ = (
+        "id", "label", "streams", "entry", "exit", "parents", "open", "markers",
+        "seeds", "__weakref__",
+    )
 
     def __init__(self, label: str = ""):
         self.id = next(_ids)
         self.label = label
         self.streams: dict = {}
-        # Generator states when recording started / stopped, by stream key.
-        self.entry: dict = {_CPU: get_state(torch.default_generator)}
+        # Real generator states when recording started / stopped, by stream key.
+        self.entry: dict = {CPU: get_state(torch._C.default_generator)}
         self.exit: dict = {}
-        # States learned while replaying streams merged by a device remap.
-        self.merged: dict = {}
         # Records whose tensors fed ops of this one: kept alive with it.
         self.parents: set = set()
         self.open = True
-        # Tag of a marked generator state -> (stream, position it stands for).
+        # Tag of a marked explicit generator -> (stream, draw whose post-state it stands for).
         self.markers: dict = {}
+        # manual_seed calls for every generator of a kind: (seq, device type or None, seed).
+        self.seeds: list = []
 
-    def add_random(self, node, key) -> None:
-        """Append random ``node`` to the stream of ``key`` (see :mod:`deferinit.rng`)."""
+    # -- streams ------------------------------------------------------------------
+
+    def stream(self, key) -> Stream:
+        """The stream of ``key``, made on first use with what is known of its start."""
         stream = self.streams.get(key)
         if stream is None:
             stream = self.streams[key] = Stream(key, self)
+            if type(key) is not GeneratorKey:
+                self._start(stream)
+        return stream
+
+    def _start(self, stream: Stream) -> None:
+        key = stream.key
+        seed = self._latest_seed(key)
+        if seed is not None:
+            stream.events[0] = seed
+        elif not self.open:
+            # A draw after deferred_init returned continues from where
+            # construction left the generator.
+            state = self.exit.get(key)
+            if state is not None:
+                stream.events[0] = (next_seq(), OBSERVED, state)
+        else:
+            state = get_state(stream.generator) if stream.generator is not None else None
+            previous = CHAINS.find(key, state)
+            if previous is not None:
+                stream.after = previous  # two models deferred back to back
+            elif state is not None:
+                stream.events[0] = (next_seq(), OBSERVED, state)
+        if stream.generator is not None and self.open:
+            stream.observed = current_fingerprint(stream.generator)
+
+    def _latest_seed(self, key):
+        for seq, kind, seed in reversed(self.seeds):
+            if kind is None or kind == key.type:
+                return (seq, SEED, seed)
+        return None
+
+    def seed(self, seed: int, kind: str | None = None, device: torch.device | None = None) -> None:
+        """User code called ``manual_seed(seed)`` for every default generator (``kind``
+        None), every one of a device type, or one device's."""
+        if device is None:
+            self.seeds.append((next_seq(), kind, seed))
+        for key, stream in self.streams.items():
+            if type(key) is GeneratorKey:
+                continue
+            if (device is not None and key == device) or (device is None and kind in (None, key.type)):
+                stream.event(len(stream.nodes), SEED, seed)
+        if device is not None and device not in self.streams:
+            self.stream(device).event(0, SEED, seed)
+
+    # -- draws --------------------------------------------------------------------
+
+    def add_random(self, node, key, target=None) -> None:
+        """Append random ``node`` to the stream of ``key``; ``target`` is the storage it
+        writes or makes (a draw whose storage nobody holds any more is a temporary)."""
+        stream = self.stream(key)
         index = len(stream.nodes)
         stream.nodes.append(node)
         node.rng = (stream.ref, index)
+        if target is not None:
+            node.rng_target = weakref.ref(target)
         gen = stream.generator
         if gen is None or not self.open:
-            # After deferred_init returned: the draw continues the stream,
-            # as it would right after eager construction.
-            if index == 0 and key in self.exit:
-                # No draw while recording: the stream starts where
-                # construction left the generator, not where it is now.
-                stream.known[0] = self.exit[key]
             return
-        mark = self.markers.get(gen.initial_seed())
+        if type(key) is GeneratorKey:
+            self._mark(stream, index, gen)
+            return
+        real = current_fingerprint(gen)
+        if stream.observed is not None and real != stream.observed:
+            # Set by a C++ call (torch._C.default_generator.manual_seed, ...)
+            # since the last draw: eager draws from that state too.
+            stream.event(index, SET, get_state(gen))
+        stream.observed = real
+
+    def _mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
+        mark = self.markers.get(torch._C.Generator.initial_seed(gen))
         if mark is not None and mark[0] is stream:
-            if mark[1] != index:
-                stream.same[index] = mark[1]
+            if mark[1] != index - 1:
+                stream.event(index, SAME, mark[1])  # an older state put back
         else:
             # First draw, or user code set the generator since the last one.
             state = get_state(gen)
-            stream.known[index] = state
+            stream.event(index, SET if index else OBSERVED, state)
             stream.base = state
         tag = new_tag()
-        gen.manual_seed(tag)
-        self.markers[tag] = (stream, index + 1)
+        torch._C.Generator.manual_seed(gen, tag)
+        self.markers[tag] = (stream, index)
 
     def close(self) -> None:
-        """Recording stopped: unmark the generators and remember their states."""
+        """Recording stopped: unmark the explicit generators, remember the real states."""
         self.open = False
         for key, stream in self.streams.items():
             gen = stream.generator
-            if gen is not None and stream.base is not None:
-                mark = self.markers.get(gen.initial_seed())
-                if mark is not None and mark[0] is stream:
-                    set_state(gen, stream.base)
-                    if mark[1] != len(stream.nodes):
-                        # An older state put back after the last draw (fork_rng).
-                        stream.known.pop(len(stream.nodes), None)
-                        stream.same[len(stream.nodes)] = mark[1]
-                else:
-                    # The user set the generator after the last draw
-                    # (manual_seed, fork_rng): eager construction ends there,
-                    # whatever a replay for .item() learned about that position.
-                    stream.known[len(stream.nodes)] = get_state(gen)
+            if type(key) is not GeneratorKey or gen is None or stream.base is None:
+                continue
+            mark = self.markers.get(torch._C.Generator.initial_seed(gen))
+            end = len(stream.nodes)
+            if mark is not None and mark[0] is stream:
+                set_state(gen, stream.base)
+                if mark[1] != end - 1:
+                    stream.event(end, SAME, mark[1])  # an older state put back after the last draw
+            else:
+                # User code set the generator after the last draw: eager
+                # construction ends there.
+                stream.event(end, SET, get_state(gen))
         self.markers.clear()
-        for key in {_CPU, *self.streams}:
+        for key in {CPU, *self.streams}:
+            if type(key) is not GeneratorKey and gettable(key):
+                self._settle(key)
+        for key in {CPU, *self.streams}:
             if gettable(key):
-                self.exit[key] = get_state(generator_of(key))
+                gen = generator_of(key)
+                if gen is not None:
+                    self.exit[key] = get_state(gen)
+        for key, stream in self.streams.items():
+            if type(key) is not GeneratorKey and stream.nodes:
+                CHAINS.register(self, key, self.exit.get(key))
+
+    def _settle(self, key) -> None:
+        """Put the default generator of ``key`` in the last state user code set while
+        recording (as eager construction did, the draws since apart).  Only
+        states the user asked for are written, never a marker."""
+        gen = generator_of(key)
+        stream = self.streams.get(key)
+        if stream is not None and stream.observed is not None:
+            if current_fingerprint(gen) != stream.observed:
+                stream.event(len(stream.nodes), SET, get_state(gen))  # set by a C++ call after the last draw
+        latest = self._latest_seed(key)
+        if stream is not None:
+            for k, event in stream.events.items():
+                if event[1] in (SET, SEED) and (latest is None or event[0] > latest[0]):
+                    latest = event
+        if latest is None:
+            return
+        state = latest[2] if latest[1] == SET else seeded_state(key, latest[2])
+        if fingerprint(get_state(gen)) != fingerprint(state):
+            set_state(gen, state)
+
+    @property
+    def chained(self) -> bool:
+        """Whether the next record may continue this one's streams (see :data:`CHAINS`)."""
+        return any(type(k) is not GeneratorKey and s.nodes for k, s in self.streams.items())
 
     def __repr__(self) -> str:
         return f"<Record {self.id} {self.label}>"
+
+
+class Chains:
+    """The last record that drew from each default generator, so that the next
+    one recorded continues its stream, as eager construction would.
+
+    A record continues another when the generator's real state is still the
+    one that record left and no seed or state was set through torch's API
+    since (``bump``); only while the earlier record is alive.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._last: dict = {}
+        self._epoch = 0
+
+    def bump(self) -> None:
+        """User code set a generator for real (torch.manual_seed, set_rng_state...)."""
+        with self._lock:
+            self._epoch += 1
+
+    def register(self, record: Record, key, state: torch.Tensor | None) -> None:
+        """``record`` drew from ``key``'s generator, which it left in ``state`` (None:
+        a generator this process cannot read, fake CUDA)."""
+        print_ = fingerprint(state) if state is not None else None
+        with self._lock:
+            self._last[key] = (weakref.ref(record), print_, self._epoch)
+
+    def find(self, key, state: torch.Tensor | None) -> Stream | None:
+        with self._lock:
+            entry = self._last.get(key)
+            epoch = self._epoch
+        if entry is None:
+            return None
+        ref, print_, at = entry
+        record = ref()
+        if record is None or at != epoch:
+            return None
+        if print_ != (fingerprint(state) if state is not None else None):
+            return None
+        return record.streams.get(key)
+
+
+CHAINS = Chains()
 
 
 class _Local(threading.local):

@@ -99,9 +99,6 @@ class Recorder(FakeHandler):
         for fake in written:
             if isinstance(fake, FakeTensor):
                 check_storage_not_real(fake, func)
-        if info.random:
-            device = written[0].device if written else call.device
-            record.add_random(node, stream_key(kwargs, device))
         if written:
             self._writes(node, info, args, kwargs, call, written)
         if call.fresh:
@@ -116,6 +113,11 @@ class Recorder(FakeHandler):
                 d["_record"] = record
                 d["_value"] = Value(node, pos, fake, storage)
                 d["_storage"] = storage
+        if info.random:
+            target = written[0] if written else call.fresh[0][1] if call.fresh else None
+            device = target.device if target is not None else call.device
+            storage = target.__dict__.get("_storage") if isinstance(target, FakeTensor) else None
+            record.add_random(node, stream_key(kwargs, device), storage)
         return call.out
 
     def where(self) -> str:
@@ -216,7 +218,7 @@ class Recorder(FakeHandler):
         if dtype is not torch.float32:
             node.default_dtype = dtype
         check_storage_not_real(tensor, fn)
-        record.add_random(node, stream_key(kwargs, tensor.device))
+        record.add_random(node, stream_key(kwargs, tensor.device), tensor._storage)
         node.writes = (0,)
         tensor._storage.head = node
         return tensor
@@ -261,6 +263,16 @@ class Recorder(FakeHandler):
             return super().data_access(operation, plain[0], compute)
         reals = self.evaluate(fakes, operation)
         return compute(*reals)
+
+    @staticmethod
+    def generator_state(stream, k: int):
+        """The exact state of ``stream``'s generator right before draw ``k``, by
+        replaying the draws since the nearest known state (installed by the
+        front door, like :meth:`evaluate`)."""
+        raise DataDependentError(
+            "the state of a generator while recording needs an interpreter, and none is "
+            "installed (import deferinit, which installs materialize's)."
+        )
 
     @staticmethod
     def evaluate(fakes, operation):

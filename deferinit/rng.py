@@ -1,24 +1,29 @@
-"""Random number generators: which one an op draws from, and their states.
+"""Random number generators: which one an op draws from, and what a record knows
+of its states.
 
 Recording draws nothing.  Each random node is appended to the *stream* of
 the generator it would have drawn from (the default generator of its
 device, or an explicit ``torch.Generator``), and replay rebuilds the state
-before any draw from the nearest known state, re-running the draws in
-between (see :mod:`deferinit.replay`).
+before any draw from the nearest state it knows, re-running the draws in
+between (see :mod:`deferinit.plan`).
 
-What the record must know is where user code *set* a generator between two
-draws (``torch.manual_seed(0)`` inside a constructor, even to the seed it
-already had; ``fork_rng`` putting an older state back).  Since recording
-does not advance the generator, comparing states cannot tell.  So after
-each recorded draw the generator is *marked*: seeded with a unique tag
-standing for "after draw k of this stream" (nothing draws from it while
-recording: draws are recorded, not made).  At the next draw its initial
-seed says where the state came from: still the mark of the previous draw (a
-plain continuation), the mark of an earlier position (an old state put
-back: the draw starts from that position's state), or no mark at all (the
-user set a new state: it is read and known exactly).  When recording ends
-the generator gets back its last real state, unless the user set one after
-the last draw, which eager construction would have kept too.
+What a stream knows, position by position (position ``k`` is "right before
+draw ``k``"; ``len(nodes)`` is the end):
+
+* **events**, facts recorded while user code ran: the generator's real
+  state when the stream started (``OBSERVED``), and what user code did to it
+  (``SET``: a state set by ``set_rng_state``/``set_state``, or read back from
+  the generator after a change; ``SEED``: ``manual_seed(s)``, resolved
+  against whichever generator replays it; ``SAME(d)``: the state right after
+  draw ``d`` of this stream put back, e.g. by ``fork_rng``);
+* **post** states: ``post[d]`` is the exact state right after draw ``d``,
+  cached by replay (an explicit generator put back to it is a ``SAME(d)``
+  event: "the state right after draw d");
+* **after**: the stream of an earlier record this one continues (two models
+  deferred back to back draw one stream, as eagerly).
+
+How user code is observed without ever writing to a shared generator is in
+:mod:`deferinit.seeding`.
 """
 
 from __future__ import annotations
@@ -31,15 +36,21 @@ import torch
 
 from fake.device import exists, normalize
 
+from .graph import next_seq
+
 # Tags are 64-bit values unlikely to be anyone's seed.
 _tags = itertools.count(random.SystemRandom().getrandbits(40) << 23)
+
+OBSERVED, SET, SEED, SAME = "observed", "set", "seed", "same"
+
+CPU = torch.device("cpu")
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
     """The default generator of ``device``; None where the device does not exist."""
     device = normalize(device)
     if device.type == "cpu":
-        return torch.default_generator
+        return torch._C.default_generator
     if not exists(device):
         return None
     module = getattr(torch, device.type, None)
@@ -51,8 +62,21 @@ def default_generator(device: torch.device) -> torch.Generator | None:
     return generators[device.index or 0]
 
 
+# Generators standing for a device's default generator while a thread records
+# (deferinit.seeding's view of torch.default_generator): C++ identity -> device.
+_STAND_INS: dict[int, torch.device] = {}
+
+
+def register_stand_in(generator: torch.Generator, device: torch.device) -> None:
+    """``generator`` stands for ``device``'s default generator, for as long as it lives
+    (its C++ address may be another generator's afterwards)."""
+    cdata = generator._cdata
+    _STAND_INS[cdata] = device
+    weakref.finalize(generator, _STAND_INS.pop, cdata, None)
+
+
 class GeneratorKey:
-    """Stream key of an explicit generator.
+    """Stream key of an explicit generator that is not a device's default one.
 
     The dispatcher hands operators a new Python object for a generator the
     user passed, so generators are told apart by their C++ object.
@@ -74,6 +98,34 @@ class GeneratorKey:
         return f"GeneratorKey({self.generator.device})"
 
 
+def key_of_generator(generator: torch.Generator):
+    """The stream key of ``generator``: its device when it is that device's default
+    generator (or stands for it), else the generator itself."""
+    device = _STAND_INS.get(generator._cdata)
+    if device is not None:
+        return device
+    device = normalize(generator.device)
+    if gettable(device):
+        default = default_generator(device)
+        if default is not None and default._cdata == generator._cdata:
+            return device
+    return GeneratorKey(generator)
+
+
+def stream_key(func_kwargs: dict, device: torch.device):
+    """The stream a random op draws from: its explicit generator, else its device.
+
+    Example::
+
+        >>> stream_key({"generator": torch.default_generator}, torch.device("cpu"))
+        device(type='cpu')
+    """
+    gen = func_kwargs.get("generator") if func_kwargs else None
+    if gen is not None:
+        return key_of_generator(gen)
+    return normalize(device)
+
+
 def generator_of(key) -> torch.Generator | None:
     """The generator behind a stream key (an explicit generator, or a device)."""
     if type(key) is GeneratorKey:
@@ -89,20 +141,26 @@ def gettable(key) -> bool:
 
 
 def get_state(gen: torch.Generator) -> torch.Tensor:
-    # get_state allocates through the dispatcher: keep the modes out of it.
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        return gen.get_state()
+    # get_state allocates through the dispatcher: keep the dispatch modes out of it.
+    with torch._C._DisableTorchDispatch():
+        return torch._C.Generator.get_state(gen)
 
 
 def set_state(gen: torch.Generator, state: torch.Tensor) -> None:
     with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
-        gen.set_state(state)
+        torch._C.Generator.set_state(gen, state)
 
 
 def fingerprint(state: torch.Tensor) -> bytes:
     """The bytes of a generator state, for comparisons."""
-    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+    with torch._C._DisableTorchDispatch():
         return state.numpy().tobytes()
+
+
+def current_fingerprint(gen: torch.Generator) -> bytes:
+    """The bytes of ``gen``'s state now (cheap enough to run at every recorded draw)."""
+    with torch._C._DisableTorchDispatch():
+        return torch._C.Generator.get_state(gen).numpy().tobytes()
 
 
 def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -111,42 +169,97 @@ def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return fingerprint(a) == fingerprint(b)
 
 
-class Stream:
-    """The random nodes of one record that draw from one generator, in order.
+def scratch_generator(device) -> torch.Generator:
+    """A private generator of ``device``'s kind, for computing states without
+    touching anyone's generator."""
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        return torch.Generator(device=device)
 
-    ``known[i]`` is the generator state before ``nodes[i]`` where it is
-    known (``known[len(nodes)]`` is the state after the last draw);
-    ``same[i] = j`` says the state before ``nodes[i]`` is the one before
-    ``nodes[j]`` (an older state put back).  States learned while recording
-    are exact; replay caches every state it passes in ``known``.
+
+def seeded_state(device, seed: int) -> torch.Tensor:
+    """The state ``manual_seed(seed)`` gives a generator of ``device``.
+
+    Example::
+
+        >>> a = seeded_state("cpu", 3); _ = torch.manual_seed(3)
+        >>> torch.equal(a, torch.get_rng_state())
+        True
     """
+    gen = scratch_generator(device)
+    with torch._C._DisableTorchDispatch(), torch._C.DisableTorchFunction():
+        torch._C.Generator.manual_seed(gen, seed)
+    return get_state(gen)
 
-    __slots__ = ("key", "nodes", "known", "same", "base", "record", "ref", "generator", "__weakref__")
+
+def seed_of_state(device, state: torch.Tensor) -> int:
+    """The ``initial_seed()`` of a generator of ``device`` in ``state``."""
+    gen = scratch_generator(device)
+    set_state(gen, state)
+    return torch._C.Generator.initial_seed(gen)
+
+
+class Stream:
+    """The random nodes of one record that draw from one generator, in order,
+    and what is known of the generator's states between them (see the module
+    docstring)."""
+
+    __slots__ = (
+        "key", "nodes", "events", "post", "after", "record", "record_id", "ref", "generator",
+        "observed", "base", "merged", "__weakref__",
+    )
 
     def __init__(self, key, record=None):
         self.key = key
         # Weak: the record owns its streams.
         self.record = weakref.ref(record) if record is not None else None
+        self.record_id = record.id if record is not None else None
         self.ref = weakref.ref(self)  # shared by the stream's nodes
         self.generator = generator_of(key) if gettable(key) else None
         self.nodes: list = []
-        self.known: dict[int, torch.Tensor] = {}
-        self.same: dict[int, int] = {}
-        # The last real (unmarked) state seen: what the generator gets back.
+        # position k -> (seq, kind, value): what user code did right before draw k.
+        self.events: dict[int, tuple] = {}
+        # draw d -> the exact state right after it (learned by replay).
+        self.post: dict[int, torch.Tensor] = {}
+        self.after: Stream | None = None
+        # The real state last seen while recording (tells states set by C++
+        # calls between draws); for explicit generators, the real state to give
+        # back when recording stops (they are marked, see Record.add_random).
+        self.observed = None
         self.base = None
+        # Post states of replays merging this stream with others (a device
+        # remap), by (target, streams merged); kept by the group's first stream.
+        self.merged: dict = {}
 
-    def learn(self, index: int, state: torch.Tensor) -> None:
-        """Cache the state before position ``index`` (replay calls this)."""
-        if index not in self.known and index not in self.same:
-            self.known[index] = state
+    @property
+    def device(self) -> torch.device:
+        return self.key if type(self.key) is torch.device else normalize(self.key.generator.device)
 
+    def event(self, k: int, kind: str, value) -> None:
+        """User code set the generator right before draw ``k``."""
+        self.events[k] = (next_seq(), kind, value)
 
-def stream_key(func_kwargs: dict, device: torch.device):
-    """The stream a random op draws from: its explicit generator, else its device."""
-    gen = func_kwargs.get("generator") if func_kwargs else None
-    if gen is not None:
-        return GeneratorKey(gen)
-    return normalize(device)
+    def state_before(self, k: int):
+        """``(fact, stream)``: what is known of the state right before draw ``k``
+        without replaying: an exact state, ``(SEED, seed)``, or None; and the
+        stream it was found in (the chain may lead to an earlier record's)."""
+        stream = self
+        while True:
+            event = stream.events.get(k)
+            if event is not None:
+                if event[1] == SAME:
+                    return stream.post.get(event[2]), stream
+                if event[1] == SEED:
+                    return (SEED, event[2]), stream
+                return event[2], stream
+            if k == 0:
+                if stream.after is None:
+                    return None, stream
+                stream, k = stream.after, len(stream.after.nodes)
+                continue
+            return stream.post.get(k - 1), stream
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.key} {len(self.nodes)} draws>"
 
 
 def new_tag() -> int:

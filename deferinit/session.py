@@ -6,7 +6,7 @@ import torch
 
 from fake.mode import fake_modes
 
-from . import patches
+from . import patches, seeding
 from .record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
 
@@ -38,7 +38,7 @@ def deferred_init(module_fn, *args, **kwargs):
     record = outer if outer is not None else Record(_label(module_fn))
     open_records().append(record)
     try:
-        with patches.installed(), fake_modes(RECORDER, record, fake_cuda=True):
+        with patches.installed(), seeding.installed(), fake_modes(RECORDER, record, fake_cuda=True):
             return module_fn(*args, **kwargs)
     except Exception as e:
         if outer is None and hasattr(e, "add_note"):
@@ -48,6 +48,8 @@ def deferred_init(module_fn, *args, **kwargs):
         open_records().pop()
         if outer is None:
             record.close()
+            if record.chained:
+                seeding.hold_while_alive(record)
 
 
 def _label(fn) -> str:

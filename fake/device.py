@@ -36,16 +36,19 @@ _MIXED_DEVICE_OK = frozenset(
 
 
 def normalize(device) -> torch.device:
-    """Return ``device`` as a ``torch.device`` with an index where real tensors have one.
+    """Return ``device`` as a ``torch.device`` with an index where real tensors have
+    one, and none where they have none (``cpu:0`` tensors report ``cpu``).
 
     Example::
 
-        >>> normalize("cuda")
-        device(type='cuda', index=0)
+        >>> normalize("cuda"), normalize("cpu:0")
+        (device(type='cuda', index=0), device(type='cpu'))
     """
     if type(device) is not torch.device:
         device = torch.device(device)
-    if device.index is None and device.type not in ("cpu", "meta"):
+    if device.type in ("cpu", "meta"):
+        return device if device.index is None else torch.device(device.type)
+    if device.index is None:
         index = 0
         if device.type == "cuda" and torch.cuda.is_available():
             index = torch.cuda.current_device()

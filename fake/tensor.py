@@ -55,7 +55,7 @@ class FakeTensor(torch.Tensor):
     def __new__(cls, shadow: torch.Tensor, device, requires_grad: bool = False):
         if not shadow.is_meta:
             raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
-        if type(device) is not torch.device or (device.index is None and device.type != "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
             device = normalize(device)
         return _make(cls, shadow, device, requires_grad)
 

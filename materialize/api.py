@@ -8,7 +8,7 @@ from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 from deferinit.where import tensor_names
 
-from .generators import hand_over_generators, streams_to_finish
+from .generators import hand_over_generators
 from .progress import progress_bar
 from .replay import Replay
 from .sharded import materialize_sharded
@@ -43,7 +43,7 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
     fake = _fake_of(tensor)
     if fake is None:
         return tensor
-    _materialize([("tensor", fake)], device=device, inference=inference, progress=False, complete=False)
+    _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
     return tensor
 
 
@@ -68,9 +68,10 @@ def materialize_module(
     ``device=`` maps every recorded device to this one; ``inference=True``
     replays under ``torch.inference_mode()`` and gives inference tensors;
     ``progress=True`` (or ``DEFERINIT_PROGRESS=1``) shows a tqdm bar on a
-    terminal.  After a complete materialization the default generator is
-    left where eager construction would have left it, provided nothing drew
-    from it since ``deferred_init``.
+    terminal.  Once the replays know where a generator's stream ended (its
+    last draw replayed), the generator is left where eager construction
+    would have left it, provided nothing drew from it since ``deferred_init``
+    (with ``device=``: the target device's generator).
 
     Example::
 
@@ -96,17 +97,14 @@ def materialize_module(
                 seen.add(id(fake))
                 targets.append((names.get(id(t), "?"), fake))
     if targets:
-        complete = check_fn is None and not buffers_only
-        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress, complete=complete):
-            _materialize(targets, device=device, inference=inference, progress=progress, complete=complete)
+        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
+            _materialize(targets, device=device, inference=inference, progress=progress)
     return module
 
 
-def _materialize(targets, *, device, inference, progress, complete) -> None:
+def _materialize(targets, *, device, inference, progress) -> None:
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
-    records = {id(f._record): f._record for _, f in targets}
-    finish = streams_to_finish(records.values()) if complete and device is None else []
     bar = progress_bar(progress, len(targets))
     replay = Replay(
         reads,
@@ -114,7 +112,7 @@ def _materialize(targets, *, device, inference, progress, complete) -> None:
         inference=inference,
         labels=labels,
         progress=bar.update_to if bar is not None else None,
-        extra=finish,
+        finish=True,
     )
     try:
         reals = replay.run()
@@ -127,5 +125,4 @@ def _materialize(targets, *, device, inference, progress, complete) -> None:
     swap_all(pairs)
 
     remember_real_storages(reads, storages, reals)
-    if device is None:
-        hand_over_generators(records.values())
+    hand_over_generators(replay.replay_streams)

@@ -17,6 +17,9 @@ from deferinit.where import constructing
 from fake.device import exists
 from fake.tensor import describe
 
+from deferinit.plan import DeviceMap
+from deferinit.streams import replay_streams
+
 from .replay import Replay, read_of
 
 # Largest closure (bytes of the tensors read) computed while recording.
@@ -67,3 +70,32 @@ def _closure_bytes(replay: Replay) -> int:
                     n *= d
                 total += n * value.dtype.itemsize
     return total
+
+
+def generator_state(stream, k: int):
+    """The exact state of ``stream``'s generator right before its draw ``k``: the
+    draws since the nearest known state are replayed into scratch memory (on
+    private generators: nothing anyone can see changes), and every state
+    passed is remembered by the record.
+
+    Example::
+
+        >>> def build():
+        ...     torch.rand(3)
+        ...     return torch.get_rng_state()   # calls generator_state
+        >>> _ = torch.manual_seed(0); state = deferred_init(build)
+        >>> _ = torch.manual_seed(0); _ = torch.rand(3); torch.equal(state, torch.get_rng_state())
+        True
+    """
+    rs = replay_streams([stream], DeviceMap())[id(stream)]
+    draws = list(rs.needs(k))
+    if draws:
+        Replay([], extra=draws, labels=["the generator state"]).run()
+    state = rs.state_before(k)
+    if state is None:
+        raise DataDependentError(
+            f"the state of the {stream.device} generator is needed while recording "
+            f"(constructing {constructing()}), and it cannot be read in this process. "
+            "Record on a device that exists here, or avoid reading generator states in the constructor."
+        )
+    return state

@@ -1,9 +1,13 @@
 """Leaving the generators where eager construction would have left them.
 
-Deferral draws nothing, so after ``deferred_init`` the generators are where
-they were before it.  Once a complete materialization replayed every draw,
-each generator that nothing has drawn from since is advanced to the state
-eager construction would have left it in.
+Deferral draws nothing and writes no generator, so after ``deferred_init``
+every generator is where it was.  Once a materialization knows the state a
+stream ended in (it replayed the stream's last draw, maybe with a few
+temporaries drawn after the last tensor: see ``Plan(finish=True)``), that
+stream's generator is moved there, provided nothing moved it since
+deferral: it still holds the state recording left it in, or the state the
+record it continues ended in.  With ``device=``, the generator of the
+target device is the one eager construction there would have advanced.
 """
 
 from __future__ import annotations
@@ -11,41 +15,35 @@ from __future__ import annotations
 from deferinit.rng import generator_of, get_state, same_state, set_state
 
 
-def streams_to_finish(records) -> list:
-    """The last draw of each of the records' streams whose final state is unknown,
-    when the generator is still where deferral left it (so it can be advanced)."""
-    nodes = []
-    for record in records:
-        for key, stream in record.streams.items():
-            end = end_of(stream)
-            if not stream.nodes or end in stream.known:
-                continue
-            exit_state = record.exit.get(key)
-            gen = generator_of(key) if exit_state is not None else None
-            if gen is None or not same_state(get_state(gen), exit_state):
-                continue
-            nodes.append(stream.nodes[end - 1])
-    return nodes
+def hand_over_generators(streams) -> None:
+    """After a successful materialization: advance each generator whose final state
+    the replay now knows, if nothing drew from it or set it since deferral.
+
+    Example::
+
+        >>> _ = torch.manual_seed(0); eager = torch.nn.Linear(2, 2); after = torch.rand(3)
+        >>> _ = torch.manual_seed(0); m = deferred_init(torch.nn.Linear, 2, 2)
+        >>> _ = materialize_module(m)   # calls hand_over_generators
+        >>> torch.equal(torch.rand(3), after)
+        True
+    """
+    for rs in _in_order(streams):
+        end = rs.end_state()
+        if end is None:
+            continue
+        gen = generator_of(rs.key)
+        if gen is None:
+            continue
+        left = list(rs.left)
+        if rs.prev is not None:
+            start = rs.state_before(0)
+            if start is not None:
+                left.append(start)
+        now = get_state(gen)
+        if any(same_state(now, state) for state in left):
+            set_state(gen, end)
 
 
-def end_of(stream) -> int:
-    """The position whose state eager construction left the generator in (the
-    end of the stream, or an earlier one put back after the last draw)."""
-    end = len(stream.nodes)
-    while end in stream.same:
-        end = stream.same[end]
-    return end
-
-
-def hand_over_generators(records) -> None:
-    """Leave each generator where eager construction would have, if nothing drew
-    from it since deferral and the replay now knows that state."""
-    for record in records:
-        for key, stream in record.streams.items():
-            post = stream.known.get(end_of(stream))
-            exit_state = record.exit.get(key)
-            if post is None or exit_state is None:
-                continue
-            gen = generator_of(key)
-            if gen is not None and same_state(get_state(gen), exit_state):
-                set_state(gen, post)
+def _in_order(streams) -> list:
+    """Streams an earlier record's before those continuing it."""
+    return sorted(streams, key=lambda rs: rs.nodes[0].seq if rs.nodes else -1)

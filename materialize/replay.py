@@ -3,10 +3,9 @@
 In the spirit of ``torch.fx.Interpreter``: one loop over the planned nodes
 in recorded order (:class:`deferinit.plan.Plan` chose them), one
 ``_run_node`` where values are computed, each value freed at its last use.
-Random nodes draw from the state their generator had eagerly: the nearest
-known state is restored before each, and every state passed is cached on
-the record, so any order of requests costs at most one extra pass.  The
-user's generator states are put back afterwards.
+Random nodes draw from the state their generator had eagerly, on private
+generators (:mod:`materialize.draws`); every state passed is cached on the
+record, so any order of requests costs at most one extra pass.
 
 Everything runs below autograd (``no_grad``, or ``inference_mode`` on request).
 """
@@ -19,12 +18,13 @@ import torch
 
 from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError, ReplayError
 from deferinit.graph import Input, Node
-from deferinit.plan import Plan, ReplayStream, real_read, read_of
-from deferinit.rng import generator_of, get_state, set_state
+from deferinit.plan import Plan, real_read, read_of
 from fake.device import exists
 from fake.bypass import no_python_dispatch
 from fake.flat import flatten_output, unflatten
 from fake.tensor import describe
+
+from .draws import Draws
 
 __all__ = ["Replay", "read_of"]
 
@@ -40,7 +40,7 @@ class Replay(Plan):
         (<class 'torch.Tensor'>, torch.Size([3, 2]))
     """
 
-    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=()):
+    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=(), finish: bool = False):
         if device is not None and torch.device(device).type == "meta":
             label = next((l for l in labels or () if l), "the tensors")
             raise ValueError(
@@ -50,7 +50,7 @@ class Replay(Plan):
         self.inference = inference
         self.labels = labels or [None] * len(targets)
         self.progress = progress
-        super().__init__(targets, device=device, extra=extra)
+        super().__init__(targets, device=device, extra=extra, finish=finish)
         if check_devices:
             self._check_devices()
 
@@ -96,31 +96,27 @@ class Replay(Plan):
 
         env: dict = {}
         real_views: dict = {}
-        saved = self._save_generators()
         mode = torch.inference_mode() if self.inference else torch.no_grad()
         total = len(self.order)
-        try:
-            with no_python_dispatch(), mode, _default_dtype_guard() as dtype_guard:
-                for done, node in enumerate(self.order):
-                    try:
-                        self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard)
-                    except Exception as e:
-                        raise self._failure(node, e) from e
-                    for x in node.flat:
-                        if type(x) is Input and not real_read(x):
-                            key = x.value.key
-                            left = uses[key] - 1
-                            uses[key] = left
-                            if left == 0:
-                                env.pop(key, None)
-                    if self.progress is not None:
-                        self.progress(done + 1, total)
-                results = [self._resolve(inp, env, real_views) for inp in self.targets]
-        finally:
-            self._restore_generators(saved)
+        with Draws(self.streams) as draws, no_python_dispatch(), mode, _default_dtype_guard() as dtype_guard:
+            for done, node in enumerate(self.order):
+                try:
+                    self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard, draws)
+                except Exception as e:
+                    raise self._failure(node, e) from e
+                for x in node.flat:
+                    if type(x) is Input and not real_read(x):
+                        key = x.value.key
+                        left = uses[key] - 1
+                        uses[key] = left
+                        if left == 0:
+                            env.pop(key, None)
+                if self.progress is not None:
+                    self.progress(done + 1, total)
+            results = [self._resolve(inp, env, real_views) for inp in self.targets]
         return results
 
-    def _run_node(self, node: Node, env, real_views, wanted, dtype_guard) -> None:
+    def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
         kind = node.kind
         if kind == "external":
             t = node.payload
@@ -156,24 +152,9 @@ class Replay(Plan):
                 args.append(x)
         a, k = unflatten(args, node.spec)
 
-        rng = None
-        if node.rng is not None:
-            rs = self.streams[id(node.rng[0]())]
-            index = rs.index[id(node)]
-            gen = self._generator(rs)
-            state = rs.state_before(index)
-            if state is not None:
-                set_state(gen, state)
-            else:
-                rs.learn(index, get_state(gen))
-            rng = (rs, index, gen)
-
         dtype_guard.set(node.default_dtype)
-        out = node.target(*a, **k)
+        out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 
-        if rng is not None:
-            rs, index, gen = rng
-            rs.learn(index + 1, get_state(gen))
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
@@ -197,30 +178,6 @@ class Replay(Plan):
                 real_views[value.key] = view
             return view
         return env[value.key]
-
-    def _generator(self, rs: ReplayStream) -> torch.Generator:
-        if rs.generator is None:
-            gen = generator_of(rs.key)
-            if gen is None:
-                raise DeviceUnavailableError(f"no random generator for {rs.key} in this process")
-            if 0 not in rs.known:
-                # Recorded where this generator's state could not be read
-                # (CUDA on a CPU-only build): start from its state now.
-                rs.learn(0, get_state(gen))
-            rs.generator = gen
-        return rs.generator
-
-    def _save_generators(self) -> list:
-        saved = []
-        for rs in {id(rs): rs for rs in self.streams.values()}.values():
-            gen = generator_of(rs.key)
-            if gen is not None:
-                saved.append((gen, get_state(gen)))
-        return saved
-
-    def _restore_generators(self, saved) -> None:
-        for gen, state in saved:
-            set_state(gen, state)
 
     def _failure(self, node: Node, e: Exception) -> Exception:
         labels = [l for l in self.labels if l]

@@ -28,7 +28,7 @@ from deferinit.graph import Input
 from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 
-from .generators import hand_over_generators, streams_to_finish
+from .generators import hand_over_generators
 from .progress import progress_bar
 from .replay import Replay
 from .swap import dress, remember_real_storages, swap_all
@@ -104,7 +104,7 @@ def fsdp_held_fakes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, complete=False) -> bool:
+def materialize_sharded(module, targets, *, device=None, inference=False, progress=None) -> bool:
     """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one storage at a time.
 
     Called by :func:`materialize.materialize_module`; returns False, doing
@@ -123,24 +123,22 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
         return False
     units = groups(module, targets)
     targets = [t for group in units for t in group]
-    records = {id(f._record): f._record for _, f in targets}
-    finish = streams_to_finish(records.values()) if complete and device is None else []
+    streams: dict = {}  # the latest replay stream of each record stream
 
     bar = progress_bar(progress, len(targets))
     computed = []  # (group, reads, reals, compacted)
     try:
         for done, group in enumerate(units):
             reads = [read_of(f) for _, f in group]
-            replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
+            replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group], finish=True)
             _skip_hidden_fills(replay)
             reals = replay.run()
+            streams.update((id(rs.post), rs) for rs in replay.replay_streams)
             del replay
             reals, compacted = _compact(group, reals)
             computed.append((group, reads, reals, compacted))
             if bar is not None:
                 bar.update_to(done + 1, len(units))
-        if finish:
-            Replay([], device=device, inference=inference, extra=finish).run()
     finally:
         if bar is not None:
             bar.close()
@@ -156,8 +154,7 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
         if compacted:
             continue  # nothing else can read that storage (see _compact)
         remember_real_storages(reads, group_storages, reals)
-    if device is None:
-        hand_over_generators(records.values())
+    hand_over_generators(streams.values())
     return True
 
 
@@ -241,7 +238,7 @@ def _skip_hidden_fills(replay) -> int:
                 continue
             if earlier.rng is not None:
                 stream = replay.streams[id(earlier.rng[0]())]
-                if stream.state_before(stream.index[id(earlier)] + 1) is None:
+                if stream.index[id(earlier)] not in stream.post:
                     continue
             hidden.add(id(earlier))
         if hidden:

@@ -239,16 +239,18 @@ def gen_factory(draw, pool):
         dtype = torch.get_default_dtype()
     fdtype = draw(st.sampled_from(FLOATS))
     fdt = draw(st.sampled_from([f", dtype={_dt(fdtype)}", ""]))
-    gens = pool.generators()
+    gens = pool.generators() + ["torch.default_generator"]
     gen = ""
-    if gens and draw(st.booleans()):
+    if draw(st.booleans()):
         gen = f", generator={draw(st.sampled_from(gens))}"
+    # One device, three names: eager reports "cpu" for each.
+    dev = draw(st.sampled_from(["", "", ', device="cpu:0"', ", device=torch.device('cpu', 0)", ', device="cpu"']))
     if kind in ("zeros", "ones"):
-        return f"{name} = torch.{kind}({shape}{dt})"
+        return f"{name} = torch.{kind}({shape}{dt}{dev})"
     if kind == "full":
         return f"{name} = torch.full({shape}, {_value_for(draw, dtype)}{dt})"
     if kind in ("rand", "randn"):
-        return f"{name} = torch.{kind}({shape}{fdt}{gen})"
+        return f"{name} = torch.{kind}({shape}{fdt}{gen}{dev})"
     if kind == "empty_init":
         init = draw(st.sampled_from(["uniform_", "normal_", "fill_", "zero_", "random_"]))
         if init == "uniform_":
@@ -695,15 +697,33 @@ def gen_data_write(draw, pool):
 
 
 def gen_rng(draw, pool):
-    kind = draw(st.sampled_from(["manual_seed", "generator", "default_dtype", "fork_rng"]))
-    if kind == "fork_rng":
+    kind = draw(st.sampled_from([
+        "manual_seed", "generator", "default_dtype", "fork_rng", "fork_by_hand", "state_round_trip",
+        "default_generator_seed", "clone_state", "generator_from_state", "reseed_generator",
+    ]))
+    if kind in ("fork_rng", "fork_by_hand", "state_round_trip"):
         # Draws whose generator state is put back afterwards.
         line = gen_factory(draw, pool) if draw(st.booleans()) else gen_inplace(draw, pool)
-        return f"with torch.random.fork_rng(devices=[]): {line}" if line and not line.startswith(("with", "if")) else None
+        if not line or line.startswith(("with", "if")):
+            return None
+        if kind == "fork_rng":
+            return f"with torch.random.fork_rng(devices=[]): {line}"
+        seed = f"torch.manual_seed({draw(st.integers(0, 3))}); " if kind == "fork_by_hand" else ""
+        return f"_s = torch.get_rng_state(); {seed}{line}; torch.set_rng_state(_s)"
     if kind == "manual_seed":
         return f"torch.manual_seed({draw(st.integers(0, 3))})"
+    if kind == "default_generator_seed":
+        return f"torch.default_generator.manual_seed({draw(st.integers(0, 3))})"
     if kind == "generator":
         return f"g{next(pool.gens)} = torch.Generator().manual_seed({draw(st.integers(0, 3))})"
+    if kind == "clone_state":
+        return f"g{next(pool.gens)} = torch.default_generator.clone_state()"
+    if kind == "generator_from_state":
+        n = next(pool.gens)
+        return f"g{n} = torch.Generator(); g{n}.set_state(torch.get_rng_state())"
+    if kind == "reseed_generator":
+        gens = pool.generators()
+        return f"{draw(st.sampled_from(gens))}.manual_seed({draw(st.integers(0, 3))})" if gens else None
     return f"torch.set_default_dtype({_dt(draw(st.sampled_from(FLOATS)))})"
 
 
@@ -902,12 +922,21 @@ def compare_real(eager: dict, deferred: dict) -> None:
         assert ra == rb, f"aliasing of {n1} / {n2} (same object, shared storage, overlap): eager {ra}, deferred {rb}"
 
 
-def build_eager(program: Program):
+def build_eager(program: Program, seed: int | None = None):
     """The eager module (its post lines run) and the next draw of the default generator."""
-    torch.manual_seed(program.seed)
+    torch.manual_seed(program.seed if seed is None else seed)
     module = ProgramModule(program, program.make_outside())
     program.run_post(module)
     return module, torch.rand(4)
+
+
+def default_draws_survive(program: Program) -> bool:
+    """Whether a value drawn from the default generator reaches the module: built
+    eagerly from another seed, some tensor differs."""
+    a, _ = build_eager(program)
+    b, _ = build_eager(program, seed=program.seed + 1)
+    x, y = named_tensors(a), named_tensors(b)
+    return any(not torch.equal(x[n].detach(), y[n].detach()) for n in x)
 
 
 def build_deferred(program: Program):
@@ -928,6 +957,7 @@ def run_program(program: Program, mode="module", order=None, split=0, before_pos
     """
     eager, eager_next = build_eager(program)
     deferred = build_deferred(program)
+    deferred_state = torch.get_rng_state()
     a, b = named_tensors(eager), named_tensors(deferred)
     unique = list({id(t): t for t in b.values()}.values())
     if mode in ("module", "buffers_first"):
@@ -938,7 +968,13 @@ def run_program(program: Program, mode="module", order=None, split=0, before_pos
             assert all(not is_fake(t) for t in deferred.buffers())
         materialize_module(deferred)
         if mode == "module":
-            assert torch.equal(torch.rand(4), eager_next), "default generator not where eager construction left it"
+            after = torch.rand(4)
+            if not torch.equal(after, eager_next):
+                # Draws none of whose values reach a tensor (all overwritten) are
+                # not replayed: the generator then stays where deferral left it.
+                assert not default_draws_survive(program), "default generator not where eager construction left it"
+                torch.set_rng_state(deferred_state)
+                assert torch.equal(torch.rand(4), after), "default generator moved, but not to eager's state"
     else:
         torch.rand(3)  # the generator moves between deferral and materialization
         order = order if order is not None else range(len(unique))

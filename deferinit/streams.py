@@ -1,0 +1,183 @@
+"""The generator streams of a replay.
+
+A replay sees each record stream (:class:`deferinit.rng.Stream`) through a
+:class:`ReplayStream`: the draws in order, what is known of the states
+between them, and the stream of an earlier record it continues.  A device
+remap may *merge* several record streams (draws recorded for ``cpu`` and
+``cuda`` all come from the target device's generator, in recorded order);
+the merged stream starts from that generator's state when recording
+started, and user code's seeds and states apply at the time they happened.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .errors import ReplayError
+from .rng import OBSERVED, SAME, SEED, SET, Stream, seeded_state
+
+
+class ReplayStream:
+    """The draws one generator makes in a replay, in order.
+
+    ``events[k]`` and ``post[d]`` as in :class:`deferinit.rng.Stream` (``post``
+    is shared with the record, so what a replay learns serves the next);
+    ``prev`` is the replay stream of the record this one continues; ``left``
+    lists the states the real generator may still be in when nothing drew
+    from it since deferral (see :mod:`materialize.generators`).
+    """
+
+    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator")
+
+    def __init__(self, key, device, nodes, events, post, *, prev=None, left=()):
+        self.key = key
+        self.device = device
+        self.nodes = nodes
+        self.index = {id(n): i for i, n in enumerate(nodes)}
+        self.events = events
+        self.post = post
+        self.prev = prev
+        self.left = list(left)
+        self.generator = None  # the private generator replay draws from
+
+    def needs(self, k: int):
+        """The draws to replay so that the state right before draw ``k`` is known."""
+        stream = self
+        while True:
+            event = stream.events.get(k)
+            if event is not None:
+                if event[1] != SAME:
+                    return
+                d = event[2]
+                if d in stream.post:
+                    return
+                yield stream.nodes[d]
+                k = d
+                continue
+            if k == 0:
+                if stream.prev is None:
+                    return
+                stream, k = stream.prev, len(stream.prev.nodes)
+                continue
+            if (k - 1) in stream.post:
+                return
+            k -= 1
+            yield stream.nodes[k]
+
+    def state_before(self, k: int) -> torch.Tensor | None:
+        """The exact state right before draw ``k`` (None: not known, or the start of a
+        stream recorded where its generator could not be read)."""
+        stream = self
+        while True:
+            event = stream.events.get(k)
+            if event is not None:
+                kind, value = event[1], event[2]
+                if kind == SAME:
+                    return stream.post.get(value)
+                if kind == SEED:
+                    return seeded_state(self.device, value)
+                if kind == "foreign":
+                    raise ReplayError(
+                        f"the record sets the state of the {value} generator explicitly "
+                        f"(set_rng_state / set_state), and that state cannot be given to "
+                        f"{self.device}'s generator. Materialize on {value.type}, or seed with "
+                        "manual_seed instead of setting states."
+                    )
+                return value
+            if k == 0:
+                if stream.prev is None:
+                    return None
+                stream, k = stream.prev, len(stream.prev.nodes)
+                continue
+            return stream.post.get(k - 1)
+
+    def end_state(self) -> torch.Tensor | None:
+        """The state eager construction left the generator in, if known."""
+        return self.state_before(len(self.nodes))
+
+    def learn(self, d: int, state: torch.Tensor) -> None:
+        """Cache the exact state right after draw ``d``."""
+        self.post.setdefault(d, state)
+
+    def __repr__(self) -> str:
+        return f"<ReplayStream {self.key} {len(self.nodes)} draws>"
+
+
+def replay_streams(streams: list[Stream], device_map) -> dict:
+    """``id(record stream) -> ReplayStream`` for ``streams`` and the streams they
+    continue (a device remap may merge several into one)."""
+    result: dict = {}
+    made: dict = {}  # merged streams, each made once
+    by_target: dict = {}
+    for stream in streams:
+        record = stream.record() if stream.record is not None else None
+        target = device_map.stream_key(stream.key)
+        by_target.setdefault((id(record), target), (record, target, []))[2].append(stream)
+    for record, target, group in by_target.values():
+        if len(group) == 1 and group[0].key == target:
+            _own(group[0], result)
+        else:
+            rs = _merged(record, target, group, made)
+            for stream in group:
+                result[id(stream)] = rs
+    return result
+
+
+def _own(stream: Stream, result: dict) -> ReplayStream:
+    """The replay stream of ``stream`` drawing from its own generator (and of the
+    streams it continues)."""
+    rs = result.get(id(stream))
+    if rs is not None:
+        return rs
+    prev = _own(stream.after, result) if stream.after is not None else None
+    record = stream.record() if stream.record is not None else None
+    exit_state = record.exit.get(stream.key) if record is not None else None
+    rs = ReplayStream(
+        stream.key, stream.device, stream.nodes, stream.events, stream.post,
+        prev=prev, left=[exit_state] if exit_state is not None else [],
+    )
+    result[id(stream)] = rs
+    return rs
+
+
+def _merged(record, target, group: list[Stream], made: dict) -> ReplayStream:
+    """Draws recorded for several generators, replayed from ``target``'s.  When
+    every stream of the group continues a stream of one earlier record, the
+    merged stream continues that record's merged stream."""
+    cache_key = (target, frozenset(id(s) for s in group))
+    if cache_key in made:
+        return made[cache_key]
+    device = target  # only devices merge: explicit generators keep their own stream
+    nodes = sorted((n for s in group for n in s.nodes), key=lambda n: n.seq)
+    seqs = [n.seq for n in nodes]
+    position = {id(n): i for i, n in enumerate(nodes)}
+    events: dict = {}
+    prev = None
+    afters = [s.after for s in group if s.after is not None]
+    if afters and len(afters) == len(group) and len({a.record_id for a in afters}) == 1:
+        earlier = afters[0].record() if afters[0].record is not None else None
+        prev = _merged(earlier, target, afters, made)
+    elif record is not None and target in record.entry:
+        events[0] = (-1, OBSERVED, record.entry[target])
+    for stream in group:
+        for k, (seq, kind, value) in stream.events.items():
+            if kind == OBSERVED:
+                continue
+            at = len(nodes) if k >= len(stream.nodes) else position[id(stream.nodes[k])]
+            # The state was set when it happened, maybe before draws of the
+            # other merged streams that came after it.
+            at = min(at, bisect.bisect_left(seqs, seq))
+            if kind == SAME:
+                value = position[id(stream.nodes[value])]
+            elif kind == SET and stream.device.type != device.type:
+                kind, value = "foreign", stream.device
+            if at not in events or events[at][0] < seq:
+                events[at] = (seq, kind, value)
+    owner = min(group, key=lambda s: s.nodes[0].seq if s.nodes else -1)
+    post = owner.merged.setdefault(cache_key, {})
+    exit_state = record.exit.get(target) if record is not None else None
+    rs = ReplayStream(target, device, nodes, events, post, prev=prev, left=[exit_state] if exit_state is not None else [])
+    made[cache_key] = rs
+    return rs

@@ -1,0 +1,131 @@
+"""Random nodes in a replay: each draws from a private generator put in the state
+its generator had eagerly.
+
+A private generator of the same kind, in the same state, draws the same
+numbers as the user's, so replay never touches a generator anyone else can
+see: not the default generators, which other threads share, nor an explicit
+one the user passed.  Operators that take no ``generator`` argument (and
+have no overload that does, as ``randn`` has ``randn.generator``) are the
+exception: they draw from the device's default generator, whose state is
+put back when the replay ends.  :mod:`materialize.generators` decides
+afterwards whether a real generator is moved to where eager construction
+left it.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from deferinit.errors import DeviceUnavailableError
+from deferinit.rng import default_generator, generator_of, get_state, scratch_generator, set_state
+
+
+class Draws:
+    """Runs the random nodes of one replay.  Use as a context manager: generators
+    borrowed for operators without a ``generator`` argument are put back on exit.
+
+    Example (what the interpreter does for each random node)::
+
+        >>> with Draws(plan.streams) as draws:
+        ...     out = draws.call(node, args, kwargs)
+    """
+
+    def __init__(self, streams: dict):
+        self.streams = streams
+        self._borrowed: dict = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for gen, state in self._borrowed.values():
+            set_state(gen, state)
+        self._borrowed.clear()
+
+    def call(self, node, args, kwargs):
+        """Run random ``node`` with its arguments, from the state eager drew it from."""
+        rs = self.streams[id(node.rng[0]())]
+        index = rs.index[id(node)]
+        gen = self._generator(rs)
+        state = rs.state_before(index)
+        if state is not None:
+            set_state(gen, state)
+        target, kwargs, takes = with_generator(node, kwargs, gen)
+        if takes:
+            out = target(*args, **kwargs)
+        else:
+            real = default_generator(rs.device)
+            if id(real) not in self._borrowed:
+                self._borrowed[id(real)] = (real, get_state(real))
+            set_state(real, get_state(gen))
+            out = target(*args, **kwargs)
+            set_state(gen, get_state(real))
+        rs.learn(index, get_state(gen))
+        return out
+
+    def _generator(self, rs) -> torch.Generator:
+        if rs.generator is None:
+            real = generator_of(rs.key)
+            if real is None:
+                raise DeviceUnavailableError(f"no random generator for {rs.key} in this process")
+            gen = scratch_generator(rs.device)
+            if rs.state_before(0) is None:
+                # Recorded where this generator's state could not be read
+                # (CUDA on a CPU-only build): start from its state now.
+                set_state(gen, get_state(real))
+            rs.generator = gen
+        return rs.generator
+
+
+def with_generator(node, kwargs: dict, gen: torch.Generator):
+    """``(callable, kwargs, takes)``: how to run ``node`` drawing from ``gen``;
+    ``takes`` is False for operators that take no generator (they draw from
+    the default one)."""
+    target = node.target
+    if node.kind == "opaque":
+        if "generator" in _parameters(target):
+            return target, dict(kwargs, generator=gen), True
+        return target, kwargs, False
+    overload = _generator_overload(target)
+    if overload is None:
+        return target, kwargs, False
+    return overload, dict(kwargs, generator=gen), True
+
+
+_overloads: dict = {}
+
+
+def _generator_overload(op):
+    """``op`` if it takes ``generator=``, else its sibling overload that does
+    (``aten.randn.default`` -> ``aten.randn.generator``), else None."""
+    if op in _overloads:
+        return _overloads[op]
+    found = None
+    if any(a.name == "generator" for a in op._schema.arguments):
+        found = op
+    else:
+        packet = getattr(torch.ops.aten, op._opname, None) if op.namespace == "aten" else None
+        name = op._overloadname
+        parts = name.split("_")
+        candidates = ["generator"] if name == "default" else [
+            f"{name}_generator", "_".join(parts[:-1] + ["generator", parts[-1]]),
+        ]
+        original = [a.name for a in op._schema.arguments]
+        for candidate in candidates:
+            if packet is not None and candidate in packet.overloads():
+                sibling = getattr(packet, candidate)
+                names = [a.name for a in sibling._schema.arguments]
+                if "generator" in names and [n for n in names if n != "generator"] == original:
+                    found = sibling
+                    break
+    _overloads[op] = found
+    return found
+
+
+def _parameters(fn) -> tuple:
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ()

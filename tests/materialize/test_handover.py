@@ -1,0 +1,228 @@
+"""Where materialization leaves the generators (issue 11, items 8 and 17), and
+models deferred one after another continuing one random stream, as eager
+construction does."""
+
+
+import pytest
+import torch
+import torch.nn as nn
+
+from deferinit import deferred_init
+from materialize import materialize_module, materialize_tensor
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)
+    yield
+    torch.manual_seed(0)
+
+
+def _named_tensors(m: nn.Module):
+    return dict(m.state_dict(keep_vars=True))
+
+
+def assert_same_module(eager: nn.Module, deferred: nn.Module):
+    ea, da = _named_tensors(eager), _named_tensors(deferred)
+    assert list(ea) == list(da)
+    for name in ea:
+        a, b = ea[name], da[name]
+        assert type(a) is type(b), name
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, name
+        assert torch.equal(a.detach(), b.detach()), f"{name} differs from eager"
+
+
+def assert_stream(eager_after, d_after, what="the generator after construction"):
+    assert torch.equal(eager_after, d_after), f"{what} differs from eager"
+
+
+def build_and_compare(fn, *args, seed=0, mat=None, stream=True, **kwargs):
+    """Build eagerly and deferred (materialized with ``mat``) from ``seed``; compare
+    the tensors and, with ``stream``, what the default generator draws next."""
+    torch.manual_seed(seed)
+    eager = fn(*args, **kwargs)
+    eager_after = torch.rand(8)
+    torch.manual_seed(seed)
+    d = deferred_init(fn, *args, **kwargs)
+    materialize_module(d, **(mat or {}))
+    d_after = torch.rand(8)
+    assert_same_module(eager, d)
+    if stream:
+        assert_stream(eager_after, d_after)
+    return eager, d
+
+
+DRAWING_MODULES = {
+    "Linear": lambda: nn.Linear(4, 3),
+    "Conv2d": lambda: nn.Conv2d(3, 4, 3),
+    "Embedding": lambda: nn.Embedding(10, 4),
+    "LSTM": lambda: nn.LSTM(4, 5, num_layers=2),
+    "GRU": lambda: nn.GRU(4, 5),
+    "Bilinear": lambda: nn.Bilinear(3, 4, 5),
+    "MultiheadAttention": lambda: nn.MultiheadAttention(8, 2),
+    "TransformerEncoderLayer": lambda: nn.TransformerEncoderLayer(8, 2, dim_feedforward=16),
+    "Sequential(Linear, BN, Linear)": lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(DRAWING_MODULES))
+@pytest.mark.parametrize("device", ["cpu", CPU])
+def test_generator_handover_with_device(name, device):
+    """Items 8 and 17: materialize_module(m, device='cpu') on a CPU record."""
+    build_and_compare(DRAWING_MODULES[name], mat={"device": device})
+
+
+@pytest.mark.parametrize("name", ["Linear", "TransformerEncoderLayer", "Sequential(Linear, BN, Linear)"])
+def test_generator_handover_check_fn_all(name):
+    """Item 8: check_fn materialization (accepting every submodule)."""
+    build_and_compare(DRAWING_MODULES[name], mat={"check_fn": lambda m: True})
+
+
+def test_generator_handover_check_fn_piecewise():
+    """Item 8: check_fn materializing submodules one at a time, then the stream."""
+    make = lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 5), nn.Linear(5, 2))  # noqa: E731
+    torch.manual_seed(0)
+    eager = make()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(make)
+    for target in (d[2], d[0], d[1]):
+        materialize_module(d, check_fn=lambda m, target=target: m is target)
+    d_after = torch.rand(8)
+    assert_same_module(eager, d)
+    assert_stream(eager_after, d_after)
+
+
+def test_generator_handover_buffers_only_then_params():
+    make = lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))  # noqa: E731
+    torch.manual_seed(0)
+    eager = make()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(make)
+    materialize_module(d, buffers_only=True)
+    materialize_module(d)
+    d_after = torch.rand(8)
+    assert_same_module(eager, d)
+    assert_stream(eager_after, d_after)
+
+
+class TempLast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.v = nn.Parameter(torch.randn(3))
+        _ = torch.randn(5)  # a random temporary, drawn last, kept by nothing
+
+
+def test_generator_handover_per_tensor_with_temporary_last():
+    """Item 8: per-tensor materialization when a random temporary was drawn last."""
+    torch.manual_seed(0)
+    eager = TempLast()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(TempLast)
+    materialize_tensor(d.v)
+    materialize_tensor(d.w)
+    d_after = torch.rand(8)
+    assert_same_module(eager, d)
+    assert_stream(eager_after, d_after)
+
+
+@pytest.mark.parametrize("how", ["check_fn", "check_fn + device", "materialize_module(device=cpu)"])
+def test_generator_handover_temporary_last_module_level(how):
+    """Item 8: a random temporary drawn last, module-level materialization."""
+    mat = {"check_fn": {"check_fn": lambda m: True}, "check_fn + device": {"check_fn": lambda m: True, "device": "cpu"},
+           "materialize_module(device=cpu)": {"device": "cpu"}}[how]
+    build_and_compare(TempLast, mat=mat)
+
+
+def test_generator_handover_per_tensor_all_params():
+    """Item 8 control: per-tensor materialization of every tensor, last draw kept."""
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 3)
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(nn.Linear, 4, 3)
+    materialize_tensor(d.bias)
+    materialize_tensor(d.weight)
+    d_after = torch.rand(8)
+    assert_same_module(eager, d)
+    assert_stream(eager_after, d_after)
+
+
+@pytest.mark.parametrize("mat", [{"device": "cpu"}, {"check_fn": lambda m: True}], ids=["device=cpu", "check_fn"])
+def test_model_deferred_after_handover_is_exact(mat):
+    """Item 8: a model deferred after such a materialization gets eager's values."""
+    torch.manual_seed(0)
+    e1 = nn.Linear(4, 3)
+    e2 = nn.Linear(3, 2)
+    torch.manual_seed(0)
+    d1 = deferred_init(nn.Linear, 4, 3)
+    materialize_module(d1, **mat)
+    d2 = deferred_init(nn.Linear, 3, 2)
+    materialize_module(d2)
+    assert_same_module(e1, d1)
+    assert_same_module(e2, d2)
+
+
+
+
+@pytest.mark.parametrize("order", ["first then second", "second then first", "second only"])
+def test_two_models_back_to_back(order):
+    torch.manual_seed(0)
+    e1 = nn.Linear(4, 3)
+    e2 = nn.Linear(3, 2)
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d1 = deferred_init(nn.Linear, 4, 3)
+    d2 = deferred_init(nn.Linear, 3, 2)
+    if order == "first then second":
+        materialize_module(d1)
+        materialize_module(d2)
+    elif order == "second then first":
+        materialize_module(d2)
+        materialize_module(d1)
+    else:
+        materialize_module(d2)
+    assert_same_module(e2, d2)
+    if order != "second only":
+        assert_same_module(e1, d1)
+        assert_stream(eager_after, torch.rand(8))
+
+
+def test_two_models_back_to_back_with_temporaries_and_reseed():
+    class A(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+            _ = torch.rand(7)
+
+    torch.manual_seed(0)
+    e1, e2, e3 = A(), nn.Linear(3, 3), A()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d1 = deferred_init(A)
+    d2 = deferred_init(nn.Linear, 3, 3)
+    d3 = deferred_init(A)
+    materialize_module(d3)
+    materialize_module(d1)
+    materialize_module(d2)
+    for e, d in ((e1, d1), (e2, d2), (e3, d3)):
+        assert_same_module(e, d)
+    assert_stream(eager_after, torch.rand(8))
+
+
+def test_two_models_back_to_back_cuda_on_cpu():
+    torch.manual_seed(0)
+    e1 = nn.Linear(4, 3)
+    e2 = nn.Linear(3, 2)
+    torch.manual_seed(0)
+    d1 = deferred_init(nn.Linear, 4, 3, device="cuda")
+    d2 = deferred_init(nn.Linear, 3, 2, device="cuda")
+    materialize_module(d1, device="cpu")
+    materialize_module(d2, device="cpu")
+    assert_same_module(e1, d1)
+    assert_same_module(e2, d2)
