@@ -107,14 +107,11 @@ class Plan:
         2
     """
 
-    def __init__(self, targets: list[Input], *, device=None, extra=(), finish: bool = False):
+    def __init__(self, targets: list[Input], *, device=None, extra=()):
         self.targets = targets
         # Nodes replayed only for their effect on the generators.
         self.extra = list(extra)
         self.device_map = DeviceMap(device)
-        # Also replay the temporaries drawn after the last needed draw of a
-        # stream, so that the state eager construction ended in is known.
-        self.finish = finish
         self.streams: dict = {}
         self.order: list[Node] = []
         self._plan()
@@ -139,8 +136,6 @@ class Plan:
                 if node.rng is not None:
                     rs = self.streams[id(node.rng[0]())]
                     draws.extend(rs.needs(rs.index[id(node)]))
-            if self.finish:
-                draws.extend(_trailing_temporaries(self.replay_streams, needed))
             closure((), draws, needed)
             if len(needed) == before:
                 break
@@ -150,21 +145,6 @@ class Plan:
     @property
     def replay_streams(self) -> list[ReplayStream]:
         return list({id(rs): rs for rs in self.streams.values()}.values())
-
-
-def _trailing_temporaries(streams, needed: dict) -> list:
-    """The draws after the last needed draw of each stream, when all of them were
-    temporaries (no tensor holds what they drew): replaying them tells the
-    state eager construction ended in, at the cost of a few small draws."""
-    draws = []
-    for rs in streams:
-        last = max((i for i, n in enumerate(rs.nodes) if id(n) in needed), default=None)
-        if last is None or last == len(rs.nodes) - 1 or rs.end_state() is not None:
-            continue
-        tail = rs.nodes[last + 1 :]
-        if all(n.rng_target is not None and n.rng_target() is None for n in tail):
-            draws.extend(tail)
-    return draws
 
 
 def read_of(fake) -> Input:

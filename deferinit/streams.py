@@ -29,9 +29,9 @@ class ReplayStream:
     from it since deferral (see :mod:`materialize.generators`).
     """
 
-    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator")
+    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator", "sources")
 
-    def __init__(self, key, device, nodes, events, post, *, prev=None, left=()):
+    def __init__(self, key, device, nodes, events, post, *, prev=None, left=(), sources=()):
         self.key = key
         self.device = device
         self.nodes = nodes
@@ -41,6 +41,9 @@ class ReplayStream:
         self.prev = prev
         self.left = list(left)
         self.generator = None  # the private generator replay draws from
+        # The record streams replayed (kept alive: their nodes point back to
+        # them weakly, and a replay after the record died still needs them).
+        self.sources = list(sources)
 
     def needs(self, k: int):
         """The draws to replay so that the state right before draw ``k`` is known."""
@@ -136,7 +139,7 @@ def _own(stream: Stream, result: dict) -> ReplayStream:
     exit_state = record.exit.get(stream.key) if record is not None else None
     rs = ReplayStream(
         stream.key, stream.device, stream.nodes, stream.events, stream.post,
-        prev=prev, left=[exit_state] if exit_state is not None else [],
+        prev=prev, left=[exit_state] if exit_state is not None else [], sources=[stream],
     )
     result[id(stream)] = rs
     return rs
@@ -178,6 +181,9 @@ def _merged(record, target, group: list[Stream], made: dict) -> ReplayStream:
     owner = min(group, key=lambda s: s.nodes[0].seq if s.nodes else -1)
     post = owner.merged.setdefault(cache_key, {})
     exit_state = record.exit.get(target) if record is not None else None
-    rs = ReplayStream(target, device, nodes, events, post, prev=prev, left=[exit_state] if exit_state is not None else [])
+    rs = ReplayStream(
+        target, device, nodes, events, post, prev=prev, left=[exit_state] if exit_state is not None else [],
+        sources=group,
+    )
     made[cache_key] = rs
     return rs

@@ -112,7 +112,6 @@ def _materialize(targets, *, device, inference, progress) -> None:
         inference=inference,
         labels=labels,
         progress=bar.update_to if bar is not None else None,
-        finish=True,
     )
     try:
         reals = replay.run()
@@ -125,4 +124,7 @@ def _materialize(targets, *, device, inference, progress) -> None:
     swap_all(pairs)
 
     remember_real_storages(reads, storages, reals)
-    hand_over_generators(replay.replay_streams)
+    # The fakes swapped out die with these lists, and with them what only they
+    # kept alive: draws into such tensors become temporaries of the record.
+    del pairs, reals
+    hand_over_generators(replay.replay_streams, device)

@@ -1,21 +1,28 @@
 """Leaving the generators where eager construction would have left them.
 
-Deferral draws nothing and writes no generator, so after ``deferred_init``
-every generator is where it was.  Once a materialization knows the state a
-stream ended in (it replayed the stream's last draw, maybe with a few
-temporaries drawn after the last tensor: see ``Plan(finish=True)``), that
-stream's generator is moved there, provided nothing moved it since
-deferral: it still holds the state recording left it in, or the state the
-record it continues ended in.  With ``device=``, the generator of the
+Deferral draws nothing, so after ``deferred_init`` every generator is where
+the constructor left it, its draws apart.  Once a materialization knows the
+state a stream ended in, that stream's generator is moved there, provided
+nothing moved it since deferral: it still holds the state recording left it
+in, or the state the record it continues ended in.  A stream's end is known
+when its last draw was replayed, or when every draw after the last one
+replayed is a *temporary* (what it drew is held by no tensor any more: a
+random temporary of the constructor, a value replaced by ``.data =``);
+those few are then replayed into scratch memory.  Draws into tensors still
+deferred, or whose values were overwritten in place, are not replayed for
+this: the generator then waits.  With ``device=``, the generator of the
 target device is the one eager construction there would have advanced.
 """
 
 from __future__ import annotations
 
+from deferinit.errors import MaterializationError
 from deferinit.rng import generator_of, get_state, same_state, set_state
 
+from .replay import Replay
 
-def hand_over_generators(streams) -> None:
+
+def hand_over_generators(streams, device=None) -> None:
     """After a successful materialization: advance each generator whose final state
     the replay now knows, if nothing drew from it or set it since deferral.
 
@@ -30,6 +37,8 @@ def hand_over_generators(streams) -> None:
     for rs in _in_order(streams):
         end = rs.end_state()
         if end is None:
+            end = _finish(rs, device)
+        if end is None:
             continue
         gen = generator_of(rs.key)
         if gen is None:
@@ -42,6 +51,22 @@ def hand_over_generators(streams) -> None:
         now = get_state(gen)
         if any(same_state(now, state) for state in left):
             set_state(gen, end)
+
+
+def _finish(rs, device):
+    """The end state of ``rs`` after replaying its trailing temporaries, or None
+    when a draw after the last known state is not a temporary."""
+    k = len(rs.nodes)
+    while k > 0 and rs.state_before(k) is None:
+        k -= 1
+    tail = rs.nodes[k:]
+    if not tail or not all(n.rng_target is not None and n.rng_target() is None for n in tail):
+        return None
+    try:
+        Replay([], device=device, extra=tail, labels=["random temporaries"]).run()
+    except MaterializationError:
+        return None  # the tensors are real and right; the generator just waits
+    return rs.end_state()
 
 
 def _in_order(streams) -> list:

@@ -40,7 +40,7 @@ class Replay(Plan):
         (<class 'torch.Tensor'>, torch.Size([3, 2]))
     """
 
-    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=(), finish: bool = False):
+    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=()):
         if device is not None and torch.device(device).type == "meta":
             label = next((l for l in labels or () if l), "the tensors")
             raise ValueError(
@@ -50,7 +50,7 @@ class Replay(Plan):
         self.inference = inference
         self.labels = labels or [None] * len(targets)
         self.progress = progress
-        super().__init__(targets, device=device, extra=extra, finish=finish)
+        super().__init__(targets, device=device, extra=extra)
         if check_devices:
             self._check_devices()
 

@@ -130,32 +130,38 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     try:
         for done, group in enumerate(units):
             reads = [read_of(f) for _, f in group]
-            replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group], finish=True)
+            replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
             _skip_hidden_fills(replay)
             reals = replay.run()
             streams.update((id(rs.post), rs) for rs in replay.replay_streams)
             del replay
-            reals, compacted = _compact(group, reals)
-            computed.append((group, reads, reals, compacted))
+            computed.append((group, reads, *_compact(group, reals)))
+            del reals
             if bar is not None:
                 bar.update_to(done + 1, len(units))
     finally:
         if bar is not None:
             bar.close()
 
+    _swap_in(computed, inference)
+    # The fakes swapped out are gone with `computed` (see api._materialize).
+    del computed
+    hand_over_generators(streams.values(), device)
+    return True
+
+
+def _swap_in(computed, inference) -> None:
+    """Swap every group's results in, all or nothing, and remember the real storages."""
     pairs = []
     for group, _, reals, _ in computed:
         for (_, fake), real in zip(group, reals):
             pairs.append((fake, dress(fake, real, inference)))
     storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
     swap_all(pairs)
-
     for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
         if compacted:
             continue  # nothing else can read that storage (see _compact)
         remember_real_storages(reads, group_storages, reals)
-    hand_over_generators(streams.values())
-    return True
 
 
 def groups(module, targets) -> list[list]:
