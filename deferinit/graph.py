@@ -154,5 +154,11 @@ class Input:
         return f"<Input {self.value!r} @ {self.version!r}>"
 
 
+def next_seq() -> int:
+    """A number no earlier node has and every later node exceeds or equals:
+    where a record's node numbers start (see :class:`deferinit.view.Graph`)."""
+    return next(_seq) + 1
+
+
 def version_seq(version: Node | None) -> int:
     return -1 if version is None else version.seq

@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from .graph import next_seq
 from .rng import Stream, generator_of, get_state, gettable, new_tag, set_state
 
 _ids = itertools.count(1)
@@ -23,11 +24,13 @@ _CPU = torch.device("cpu")
 class Record:
     """The session state of one ``deferred_init`` call (nested calls share it)."""
 
-    __slots__ = ("id", "label", "streams", "entry", "exit", "merged", "parents", "open", "markers", "__weakref__")
+    __slots__ = ("id", "label", "base", "streams", "entry", "exit", "merged", "parents", "open", "markers", "__weakref__")
 
     def __init__(self, label: str = ""):
         self.id = next(_ids)
         self.label = label
+        # Printed node numbers count from here (deferinit.view).
+        self.base = next_seq()
         self.streams: dict = {}
         # Generator states when recording started / stopped, by stream key.
         self.entry: dict = {_CPU: get_state(torch.default_generator)}
