@@ -9,7 +9,7 @@ from deferinit.recorder import is_deferred_fake
 from deferinit.where import tensor_names
 
 from .generators import hand_over_generators, streams_to_finish
-from .progress import progress_bar
+from .progress import start_progress
 from .replay import Replay
 from .sharded import materialize_sharded
 from .swap import dress, remember_real_storages, swap_all
@@ -67,8 +67,9 @@ def materialize_module(
 
     ``device=`` maps every recorded device to this one; ``inference=True``
     replays under ``torch.inference_mode()`` and gives inference tensors;
-    ``progress=True`` (or ``DEFERINIT_PROGRESS=1``) shows a tqdm bar on a
-    terminal.  After a complete materialization the default generator is
+    ``progress=True`` (or ``DEFERINIT_PROGRESS=1``) shows the tensors and
+    bytes done on stderr (a tqdm bar; a terminal, Jupyter or a log) and
+    leaves a one-line summary.  After a complete materialization the default generator is
     left where eager construction would have left it, provided nothing drew
     from it since ``deferred_init``.
 
@@ -107,24 +108,22 @@ def _materialize(targets, *, device, inference, progress, complete) -> None:
     labels = [name for name, _ in targets]
     records = {id(f._record): f._record for _, f in targets}
     finish = streams_to_finish(records.values()) if complete and device is None else []
-    bar = progress_bar(progress, len(targets))
-    replay = Replay(
-        reads,
-        device=device,
-        inference=inference,
-        labels=labels,
-        progress=bar.update_to if bar is not None else None,
-        extra=finish,
-    )
+    fakes = [fake for _, fake in targets]
+    shown = start_progress(progress, fakes)
     try:
+        replay = Replay(reads, device=device, inference=inference, labels=labels, extra=finish)
+        if shown is not None:
+            replay.progress = shown.replay_callback(replay, fakes)
         reals = replay.run()
-    finally:
-        if bar is not None:
-            bar.close()
-
-    storages = [fake._storage for _, fake in targets]
-    pairs = [(fake, dress(fake, real, inference)) for (_, fake), real in zip(targets, reals)]
-    swap_all(pairs)
+        storages = [fake._storage for fake in fakes]
+        pairs = [(fake, dress(fake, real, inference)) for fake, real in zip(fakes, reals)]
+        swap_all(pairs)
+    except BaseException:
+        if shown is not None:
+            shown.close(ok=False)
+        raise
+    if shown is not None:
+        shown.close()
 
     remember_real_storages(reads, storages, reals)
     if device is None:

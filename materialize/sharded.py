@@ -29,7 +29,7 @@ from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 
 from .generators import hand_over_generators, streams_to_finish
-from .progress import progress_bar
+from .progress import start_progress
 from .replay import Replay
 from .swap import dress, remember_real_storages, swap_all
 
@@ -121,36 +121,41 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     """
     if not _has_dtensors(module):
         return False
+    asked = [f for _, f in targets]  # progress counts these, not the fakes FSDP adds
     units = groups(module, targets)
     targets = [t for group in units for t in group]
     records = {id(f._record): f._record for _, f in targets}
     finish = streams_to_finish(records.values()) if complete and device is None else []
 
-    bar = progress_bar(progress, len(targets))
+    shown = start_progress(progress, asked)
+    asked = {id(f) for f in asked}
     computed = []  # (group, reads, reals, compacted)
     try:
-        for done, group in enumerate(units):
+        for group in units:
             reads = [read_of(f) for _, f in group]
             replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
             _skip_hidden_fills(replay)
+            if shown is not None:
+                replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
             reals = replay.run()
             del replay
             reals, compacted = _compact(group, reals)
             computed.append((group, reads, reals, compacted))
-            if bar is not None:
-                bar.update_to(done + 1, len(units))
         if finish:
             Replay([], device=device, inference=inference, extra=finish).run()
-    finally:
-        if bar is not None:
-            bar.close()
 
-    pairs = []
-    for group, _, reals, _ in computed:
-        for (_, fake), real in zip(group, reals):
-            pairs.append((fake, dress(fake, real, inference)))
-    storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
-    swap_all(pairs)
+        pairs = []
+        for group, _, reals, _ in computed:
+            for (_, fake), real in zip(group, reals):
+                pairs.append((fake, dress(fake, real, inference)))
+        storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
+        swap_all(pairs)
+    except BaseException:
+        if shown is not None:
+            shown.close(ok=False)
+        raise
+    if shown is not None:
+        shown.close()
 
     for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
         if compacted:
