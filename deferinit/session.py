@@ -25,7 +25,8 @@ def deferred_init(module_fn, *args, **kwargs):
     exactly the values eager construction would have.  The default random
     generator is not advanced.  Nested calls share one record; the recording
     is per thread; on an exception everything entered is left again and the
-    exception propagates with a note naming the constructor.
+    exception propagates with a note naming the constructor.  :func:`deferred`
+    is the same as a ``with`` block.
 
     Example::
 
