@@ -11,6 +11,14 @@ Example::
     >>> m = materialize_module(m, device="cpu")   # same values as eager, on CPU
     >>> m.weight.device, is_deferred(m)
     (device(type='cpu'), False)
+
+The same as a block::
+
+    >>> from deferinit import deferred
+    >>> with deferred():
+    ...     m = torch.nn.Linear(8192, 8192, device="cuda")
+    >>> is_deferred(m)
+    True
 """
 
 from .errors import (
@@ -25,11 +33,12 @@ from .errors import (
     ReplayError,
 )
 from .recorder import RECORDER
-from .session import deferred_init, is_deferred
+from .session import deferred, deferred_init, is_deferred
 from .view import graph_of
 
 __all__ = [
     "deferred_init",
+    "deferred",
     "is_deferred",
     "graph_of",
     "to_dot",

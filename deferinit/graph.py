@@ -28,11 +28,20 @@ import weakref
 import torch
 
 _seq = itertools.count()
+_events = itertools.count()
 
 
-def next_seq() -> int:
-    """The next sequence number: nodes and generator events share one clock."""
-    return next(_seq)
+def peek_seq() -> int:
+    """The sequence number the next node will get (none is taken): where a
+    record's node numbers start (see :class:`deferinit.view.Graph`)."""
+    return int(repr(_seq)[6:-1])  # "count(N)": read without taking N
+
+
+def event_seq() -> tuple[int, int]:
+    """When a generator event happens, on the nodes' clock without taking a
+    number from it: ``(seq of the next node, event count)``; events compare
+    among themselves as tuples, and with nodes by their first item."""
+    return (peek_seq(), next(_events))
 
 
 class Node:

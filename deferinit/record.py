@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .graph import next_seq
+from .graph import event_seq, peek_seq
 from .rng import (
     CPU, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_fingerprint, fingerprint, generator_of, get_state,
     gettable, new_tag, seeded_state, set_state,
@@ -36,13 +36,15 @@ class Record:
     """The session state of one ``deferred_init`` call (nested calls share it)."""
 
     __slots__ = (
-        "id", "label", "streams", "entry", "exit", "parents", "open", "markers",
+        "id", "label", "base", "streams", "entry", "exit", "parents", "open", "markers",
         "seeds", "__weakref__",
     )
 
     def __init__(self, label: str = ""):
         self.id = next(_ids)
         self.label = label
+        # Printed node numbers count from here (deferinit.view).
+        self.base = peek_seq()
         self.streams: dict = {}
         # Real generator states when recording started / stopped, by stream key.
         self.entry: dict = {CPU: get_state(torch._C.default_generator)}
@@ -76,14 +78,14 @@ class Record:
             # construction left the generator.
             state = self.exit.get(key)
             if state is not None:
-                stream.events[0] = (next_seq(), OBSERVED, state)
+                stream.events[0] = (event_seq(), OBSERVED, state)
         else:
             state = get_state(stream.generator) if stream.generator is not None else None
             previous = CHAINS.find(key, state)
             if previous is not None:
                 stream.after = previous  # two models deferred back to back
             elif state is not None:
-                stream.events[0] = (next_seq(), OBSERVED, state)
+                stream.events[0] = (event_seq(), OBSERVED, state)
         if stream.generator is not None and self.open:
             stream.observed = current_fingerprint(stream.generator)
 
@@ -97,7 +99,7 @@ class Record:
         """User code called ``manual_seed(seed)`` for every default generator (``kind``
         None), every one of a device type, or one device's."""
         if device is None:
-            self.seeds.append((next_seq(), kind, seed))
+            self.seeds.append((event_seq(), kind, seed))
         for key, stream in self.streams.items():
             if type(key) is GeneratorKey:
                 continue

@@ -36,7 +36,7 @@ import torch
 
 from fake.device import exists, normalize
 
-from .graph import next_seq
+from .graph import event_seq
 
 # Tags are 64-bit values unlikely to be anyone's seed.
 _tags = itertools.count(random.SystemRandom().getrandbits(40) << 23)
@@ -236,7 +236,7 @@ class Stream:
 
     def event(self, k: int, kind: str, value) -> None:
         """User code set the generator right before draw ``k``."""
-        self.events[k] = (next_seq(), kind, value)
+        self.events[k] = (event_seq(), kind, value)
 
     def state_before(self, k: int):
         """``(fact, stream)``: what is known of the state right before draw ``k``

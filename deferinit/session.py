@@ -1,6 +1,10 @@
-"""``deferred_init``: run a constructor with every tensor fake and recorded."""
+"""``deferred_init`` and ``with deferred():``: every tensor made inside is fake and recorded."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
 
 import torch
 
@@ -21,7 +25,8 @@ def deferred_init(module_fn, *args, **kwargs):
     exactly the values eager construction would have.  The default random
     generator is not advanced.  Nested calls share one record; the recording
     is per thread; on an exception everything entered is left again and the
-    exception propagates with a note naming the constructor.
+    exception propagates with a note naming the constructor.  :func:`deferred`
+    is the same as a ``with`` block.
 
     Example::
 
@@ -34,15 +39,48 @@ def deferred_init(module_fn, *args, **kwargs):
     """
     if not callable(module_fn):
         raise TypeError(f"deferred_init() expects a callable, got {type(module_fn).__name__}")
+    label = _label(module_fn)
+    with _recording(label, f"deferred_init({label})"):
+        return module_fn(*args, **kwargs)
+
+
+def deferred():
+    """Context manager: every tensor made in the block is deferred and recorded.
+
+    The ``with`` form of :func:`deferred_init`, for code that reads better
+    as a block (``AutoModel.from_config``, factory functions, notebooks):
+    inside the block everything is recorded exactly as inside a
+    ``deferred_init`` call; the modules made there stay deferred after it.
+    Blocks nest with each other and with ``deferred_init`` (one record);
+    recording is per thread; an exception leaves every mode, patch and
+    generator as it was and propagates with a note naming the block.
+
+    Example::
+
+        >>> from deferinit import deferred
+        >>> with deferred():
+        ...     m = torch.nn.Sequential(torch.nn.Linear(4096, 4096, device="cuda"), torch.nn.ReLU())
+        >>> is_deferred(m), m[0].weight.device
+        (True, device(type='cuda', index=0))
+    """
+    caller = sys._getframe(1)
+    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    return _recording(f"deferred() at {where}", f"with deferred() at {where}")
+
+
+@contextlib.contextmanager
+def _recording(label: str, note: str):
+    """Record everything made in the block: the outermost block opens a record
+    and closes it on exit; nested blocks (either form) share it."""
     outer = current_record()
-    record = outer if outer is not None else Record(_label(module_fn))
+    record = outer if outer is not None else Record(label)
     open_records().append(record)
     try:
         with patches.installed(), seeding.installed(), fake_modes(RECORDER, record, fake_cuda=True):
-            return module_fn(*args, **kwargs)
+            yield record
     except Exception as e:
         if outer is None and hasattr(e, "add_note"):
-            e.add_note(f"(raised inside deferred_init({_label(module_fn)}))")
+            e.add_note(f"(raised inside {note})")
         raise
     finally:
         open_records().pop()

@@ -163,7 +163,7 @@ def _merged(record, target, group: list[Stream], made: dict) -> ReplayStream:
         earlier = afters[0].record() if afters[0].record is not None else None
         prev = _merged(earlier, target, afters, made)
     elif record is not None and target in record.entry:
-        events[0] = (-1, OBSERVED, record.entry[target])
+        events[0] = ((-1, -1), OBSERVED, record.entry[target])
     for stream in group:
         for k, (seq, kind, value) in stream.events.items():
             if kind == OBSERVED:
@@ -171,7 +171,7 @@ def _merged(record, target, group: list[Stream], made: dict) -> ReplayStream:
             at = len(nodes) if k >= len(stream.nodes) else position[id(stream.nodes[k])]
             # The state was set when it happened, maybe before draws of the
             # other merged streams that came after it.
-            at = min(at, bisect.bisect_left(seqs, seq))
+            at = min(at, bisect.bisect_left(seqs, seq[0]))
             if kind == SAME:
                 value = position[id(stream.nodes[value])]
             elif kind == SET and stream.device.type != device.type:

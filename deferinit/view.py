@@ -48,6 +48,16 @@ class Graph:
     the tensors it creates or writes; ``str(graph)`` prints one op per line.
     Get one with :func:`graph_of`.
 
+    A node's number (``%12``) is its position in the whole record: the
+    operations recorded since the outermost ``deferred_init`` (or ``with
+    deferred():``) began, counted from 0, later operations on its tensors
+    (``model.half()``) included.  So a node has the same number in every
+    view of the record, of the whole model or of one submodule, in text or
+    in :func:`deferinit.to_dot`; numbers that a view skips are operations it
+    does not need.  Draws listed only because replay must redo them to bring
+    a generator to the state a needed draw starts from (and the ops they
+    read) are marked ``# for the generator state``.
+
     Example::
 
         >>> g = graph_of(deferred_init(torch.nn.Linear, 4, 2))
@@ -57,7 +67,7 @@ class Graph:
         %3 = aten.uniform_(%1, -0.5, 0.5)  # bias
     """
 
-    def __init__(self, targets: list[tuple[str, torch.Tensor]]):
+    def __init__(self, targets: list[tuple[str, torch.Tensor]], *, base: int | None = None):
         reads = [read_of(f) for _, f in targets]
         self.targets = targets
         self.nodes: list[Node] = Plan(reads).order if reads else []
@@ -67,17 +77,21 @@ class Graph:
                 names = self.labels.setdefault(id(node), [])
                 if name not in names:
                     names.append(name)
-        self._number = {id(n): i for i, n in enumerate(self.nodes)}
+        # Where the numbers start: the first node of the earliest record involved.
+        self.base = record_base([f for _, f in targets]) if base is None else base
+        self._members = {id(n) for n in self.nodes}
+        data = data_closure(reads)
+        self.generator_only = {id(n) for n in self.nodes if id(n) not in data}
 
     def __len__(self) -> int:
         return len(self.nodes)
 
     def name_of(self, node: Node) -> str:
-        return f"%{self._number.get(id(node), '?')}"
+        return f"%{node.seq - self.base}"
 
     def read_name(self, inp: Input) -> str:
         version = inp.version
-        if version is not None and version.writes and id(version) in self._number:
+        if version is not None and version.writes and id(version) in self._members:
             written = version.flat[version.writes[0]]
             if written.value is inp.value:
                 return self.name_of(version)
@@ -103,6 +117,8 @@ class Graph:
         labels = self.labels.get(id(node))
         if labels:
             line += "  # " + ", ".join(labels)
+        elif id(node) in self.generator_only:
+            line += "  # for the generator state"
         return line
 
     def __str__(self) -> str:
@@ -123,6 +139,41 @@ def op_name(node: Node) -> str:
     if node.kind == "opaque":
         return f"{node.target.__module__}.{node.target.__qualname__}"
     return node.kind
+
+
+def record_base(fakes) -> int:
+    """The number the node numbers of these fakes' records count from: the start
+    of the earliest of their records and of the records those read from."""
+    seen: dict[int, object] = {}
+    stack = [f._record for f in fakes]
+    while stack:
+        record = stack.pop()
+        if id(record) not in seen:
+            seen[id(record)] = record
+            stack.extend(record.parents)
+    return min((r.base for r in seen.values()), default=0)
+
+
+def data_closure(reads) -> set[int]:
+    """``id`` of every node the reads depend on by data (not only through a
+    generator's state): creators and writes, recursively."""
+    seen: set[int] = set()
+    stack = []
+    for r in reads:
+        stack.append(r.value.node)
+        if r.version is not None:
+            stack.append(r.version)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for x in node.flat:
+            if type(x) is Input:
+                stack.append(x.value.node)
+                if x.version is not None:
+                    stack.append(x.version)
+    return seen
 
 
 def _history(read: Input):

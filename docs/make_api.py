@@ -18,7 +18,7 @@ if ROOT not in sys.path:
 
 # (module, names) in the order the page shows them.
 PUBLIC = [
-    ("deferinit", ["deferred_init", "is_deferred", "graph_of", "to_dot"]),
+    ("deferinit", ["deferred_init", "deferred", "is_deferred", "graph_of", "to_dot"]),
     ("deferinit.view", ["Graph"]),
     ("materialize", ["materialize_module", "materialize_tensor"]),
     ("fake", ["fake_mode", "is_fake", "meta_like", "FakeTensor"]),

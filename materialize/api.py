@@ -9,7 +9,7 @@ from deferinit.recorder import is_deferred_fake
 from deferinit.where import tensor_names
 
 from .generators import hand_over_generators
-from .progress import progress_bar
+from .progress import start_progress
 from .replay import Replay
 from .sharded import materialize_sharded
 from .swap import dress, remember_real_storages, swap_all
@@ -67,11 +67,12 @@ def materialize_module(
 
     ``device=`` maps every recorded device to this one; ``inference=True``
     replays under ``torch.inference_mode()`` and gives inference tensors;
-    ``progress=True`` (or ``DEFERINIT_PROGRESS=1``) shows a tqdm bar on a
-    terminal.  Once the replays know where a generator's stream ended (its
-    last draw replayed), the generator is left where eager construction
-    would have left it, provided nothing drew from it since ``deferred_init``
-    (with ``device=``: the target device's generator).
+    ``progress=True`` (or ``DEFERINIT_PROGRESS=1``) shows the tensors and
+    bytes done on stderr (a tqdm bar; a terminal, Jupyter or a log) and
+    leaves a one-line summary.  Once the replays know where a generator's
+    stream ended (its last draw replayed), the generator is left where eager
+    construction would have left it, provided nothing drew from it since
+    ``deferred_init`` (with ``device=``: the target device's generator).
 
     Example::
 
@@ -105,26 +106,25 @@ def materialize_module(
 def _materialize(targets, *, device, inference, progress) -> None:
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
-    bar = progress_bar(progress, len(targets))
-    replay = Replay(
-        reads,
-        device=device,
-        inference=inference,
-        labels=labels,
-        progress=bar.update_to if bar is not None else None,
-    )
+    fakes = [fake for _, fake in targets]
+    shown = start_progress(progress, fakes)
     try:
+        replay = Replay(reads, device=device, inference=inference, labels=labels)
+        if shown is not None:
+            replay.progress = shown.replay_callback(replay, fakes)
         reals = replay.run()
-    finally:
-        if bar is not None:
-            bar.close()
-
-    storages = [fake._storage for _, fake in targets]
-    pairs = [(fake, dress(fake, real, inference)) for (_, fake), real in zip(targets, reals)]
-    swap_all(pairs)
+        storages = [fake._storage for fake in fakes]
+        pairs = [(fake, dress(fake, real, inference)) for fake, real in zip(fakes, reals)]
+        swap_all(pairs)
+    except BaseException:
+        if shown is not None:
+            shown.close(ok=False)
+        raise
+    if shown is not None:
+        shown.close()
 
     remember_real_storages(reads, storages, reals)
     # The fakes swapped out die with these lists, and with them what only they
     # kept alive: draws into such tensors become temporaries of the record.
-    del pairs, reals
+    del pairs, reals, fakes, targets
     hand_over_generators(replay.replay_streams, device)

@@ -29,7 +29,7 @@ from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 
 from .generators import hand_over_generators
-from .progress import progress_bar
+from .progress import start_progress
 from .replay import Replay
 from .swap import dress, remember_real_storages, swap_all
 
@@ -121,29 +121,33 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     """
     if not _has_dtensors(module):
         return False
+    asked = [f for _, f in targets]  # progress counts these, not the fakes FSDP adds
     units = groups(module, targets)
     targets = [t for group in units for t in group]
     streams: dict = {}  # the latest replay stream of each record stream
 
-    bar = progress_bar(progress, len(targets))
+    shown = start_progress(progress, asked)
+    asked = {id(f) for f in asked}
     computed = []  # (group, reads, reals, compacted)
     try:
-        for done, group in enumerate(units):
+        for group in units:
             reads = [read_of(f) for _, f in group]
             replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
             _skip_hidden_fills(replay)
+            if shown is not None:
+                replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
             reals = replay.run()
             streams.update((id(rs.post), rs) for rs in replay.replay_streams)
             del replay
             computed.append((group, reads, *_compact(group, reals)))
             del reals
-            if bar is not None:
-                bar.update_to(done + 1, len(units))
-    finally:
-        if bar is not None:
-            bar.close()
-
-    _swap_in(computed, inference)
+        _swap_in(computed, inference)
+    except BaseException:
+        if shown is not None:
+            shown.close(ok=False)
+        raise
+    if shown is not None:
+        shown.close()
     # The fakes swapped out are gone with `computed` (see api._materialize).
     del computed
     hand_over_generators(streams.values(), device)

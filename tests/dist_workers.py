@@ -438,3 +438,30 @@ def case_one_rank_hangs(rank: int, world_size: int) -> None:
 
 def case_pid(rank: int, world_size: int) -> int:
     return os.getpid()
+
+
+def case_fsdp2_progress(rank: int, world_size: int) -> dict:
+    """materialize_module(progress=True) of an FSDP2 model, stderr captured as a log:
+    the summary counts this rank's shards of the parameters and the buffers."""
+    import io
+    import sys
+
+    torch.manual_seed(0)
+    eager = Net()
+    torch.manual_seed(0)
+    model = deferred_init(Net)
+    _fully_shard_net(model)
+    stream = io.StringIO()
+    real_stderr, sys.stderr = sys.stderr, stream
+    try:
+        materialize_module(model, progress=True)
+    finally:
+        sys.stderr = real_stderr
+    check(not is_deferred(model), "materialize_module left deferred tensors")
+    shards = [shard_of(p.detach(), rank, world_size) for p in eager.parameters()]
+    tensors = shards + list(eager.buffers())
+    for name, p in model.named_parameters():
+        check(torch.equal(p._local_tensor, shard_of(dict(eager.named_parameters())[name].detach(), rank, world_size)),
+              f"{name}: rank {rank}'s shard differs from eager's slice")
+    return {"log": stream.getvalue(), "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors)}

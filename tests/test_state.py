@@ -269,15 +269,18 @@ def test_progress_callback_error(monkeypatch):
     """An exception from the progress bar mid-replay (a user's Ctrl-C, say)."""
     m = _deferred(bad=False)
 
-    class Bar:
-        def update_to(self, done, total):
-            if done == 3:
-                raise Interrupt()
+    class Shown:
+        def replay_callback(self, replay, fakes):
+            def callback(done, total):
+                if done == 3:
+                    raise Interrupt()
 
-        def close(self):
+            return callback
+
+        def close(self, ok=True):
             pass
 
-    monkeypatch.setattr(api, "progress_bar", lambda progress, n: Bar())
+    monkeypatch.setattr(api, "start_progress", lambda progress, fakes: Shown())
     before = snapshot()
     with pytest.raises(Interrupt):
         materialize_module(m)

@@ -2,7 +2,7 @@
 
 Three commands::
 
-    deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config cfg.json]
+    deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config FILE|DIR|MODEL_ID]
                      [--device D] [--dtype T] [--shard N]
     deferinit graph   TARGET [ARG ...] [...] -o FILE [--module M] [--depth N] [--expand]
     deferinit demo    [--size 70b|tiny] [--seed S] [-o FILE]
@@ -65,11 +65,14 @@ def make_parser() -> argparse.ArgumentParser:
     target.add_argument("args", metavar="ARG", nargs="*", help="positional arguments (Python literals)")
     target.add_argument("-k", "--kwarg", action="append", metavar="NAME=VALUE",
                         help="keyword argument, value a Python literal (a bare word is a string); repeatable")
-    target.add_argument("--config", metavar="JSON", help="a transformers config file; the config object is passed first")
+    target.add_argument("--config", metavar="C",
+                        help="a transformers config: a config.json, a save_pretrained directory, or a model id in the "
+                             "local Hugging Face cache; passed first; its dtype is the default unless --dtype is given")
     target.add_argument("--device", metavar="D",
                         help="device to build on (passed as device= when the callable takes it, else as torch.device(D) context); cuda works without CUDA")
     target.add_argument("--dtype", metavar="T",
-                        help="default floating dtype while building (torch.set_default_dtype), e.g. bfloat16")
+                        help="default floating dtype while building (torch.set_default_dtype), e.g. bfloat16; "
+                             "overrides the --config's dtype")
 
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True

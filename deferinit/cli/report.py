@@ -87,8 +87,12 @@ def summarize(module: torch.nn.Module) -> Summary:
     )
 
 
-def format_report(s: Summary, seconds: float | None, *, title: str, shard: int | None = None, grown: int | None = None) -> str:
-    """The table ``deferinit inspect`` prints.
+def format_report(
+    s: Summary, seconds: float | None, *, title: str, shard: int | None = None, grown: int | None = None,
+    dtype: str | None = None,
+) -> str:
+    """The table ``deferinit inspect`` prints; ``dtype`` says which default dtype
+    the model was built under, and why.
 
     Example::
 
@@ -129,6 +133,8 @@ def format_report(s: Summary, seconds: float | None, *, title: str, shard: int |
         name, cls, numel, nbytes = s.largest
         facts.append(("largest layer", f"{name} ({cls}): {numel:,} parameters, {fmt_bytes(nbytes)}"))
     facts.append(("parameters", fmt_count(s.param_count)))
+    if dtype is not None:
+        facts.append(("built with dtype", dtype))
     facts.append(("devices", ", ".join(s.devices) or "-"))
     facts.append(("deferred tensors", f"{s.deferred} of {s.total}"))
     facts.append((

@@ -10,7 +10,6 @@ import difflib
 import importlib
 import importlib.util
 import inspect
-import json
 import os
 import re
 import sys
@@ -19,15 +18,11 @@ import time
 import torch
 
 from ..session import deferred_init
+from ..text import dtype_name
+from .config import DTYPES, config_dtype, load_config
 from .errors import ConstructorError, TargetError, UsageError
 from .resources import rss_bytes
 
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "float64": torch.float64, "double": torch.float64, "fp64": torch.float64,
-}
 
 
 def load_target(spec: str):
@@ -143,49 +138,9 @@ def parse_dtype(text: str) -> torch.dtype:
         (torch.bfloat16, torch.float16)
     """
     key = text.strip().lower().removeprefix("torch.")
-    if key not in _DTYPES:
+    if key not in DTYPES:
         raise UsageError(f"--dtype {text!r}: expected one of float32, bfloat16, float16, float64")
-    return _DTYPES[key]
-
-
-def load_config(path: str, fn):
-    """A transformers config for ``fn`` from a JSON file, built offline.
-
-    The class's own ``config_class`` when it has one (``LlamaForCausalLM``),
-    else ``AutoConfig.for_model`` from the file's ``model_type``.
-
-    Example::
-
-        >>> load_config("llama-70b.json", transformers.LlamaForCausalLM)
-        LlamaConfig {...}
-    """
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as e:
-        raise UsageError(f"--config {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--config {path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path}: expected a JSON object, got {type(data).__name__}")
-    owner = getattr(fn, "__self__", fn)
-    config_class = getattr(owner, "config_class", None)
-    try:
-        if config_class is not None and hasattr(config_class, "from_dict"):
-            return config_class.from_dict(data)
-        if "model_type" in data:
-            import transformers
-
-            data = dict(data)
-            return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
-    except Exception as e:
-        raise UsageError(f"--config {path}: building the config raised {type(e).__name__}: {first_line(e)}") from e
-    raise UsageError(
-        f"--config {path}: the target has no config_class and the file has no \"model_type\"; "
-        "--config is for transformers models (e.g. transformers:LlamaForCausalLM)"
-    )
+    return DTYPES[key]
 
 
 def _accepts(fn, name: str) -> bool:
@@ -210,6 +165,65 @@ def _default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
+# Parameters the command line fills from its own options.
+_OPTION_OF = {"device": "--device D", "dtype": "--dtype T", "config": "--config FILE|DIR|MODEL_ID"}
+
+
+def check_arguments(fn, call: str, args, kwargs, *, has_config: bool = False) -> None:
+    """Refuse, before building, arguments that do not fit ``fn``'s signature: too
+    many positional values, a missing one (``config``: pass ``--config``), or a
+    positional value that lands in ``device``/``dtype`` (``Linear 4 4 5 6``).
+
+    Example::
+
+        >>> check_arguments(torch.nn.Linear, "torch.nn:Linear(4, 4, 5, 6)", [4, 4, 5, 6], {})
+        Traceback (most recent call last):
+        UsageError: torch.nn:Linear(4, 4, 5, 6): the positional value 6 lands in parameter 'device' ...
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: the call itself will tell
+    shown = _signature_text(fn, sig)
+    try:
+        bound = sig.bind(*args, **kwargs)
+    except TypeError as e:
+        text = str(e)
+        missing = re.search(r"missing a required argument: '(\w+)'", text)
+        if missing:
+            name = missing.group(1)
+            if name == "config" and not has_config:
+                hint = "pass a transformers config with --config FILE|DIR|MODEL_ID"
+            elif name in _OPTION_OF:
+                hint = f"pass it with {_OPTION_OF[name]}"
+            else:
+                hint = f"give it as an ARG or with -k {name}=VALUE"
+            raise UsageError(f"{call}: missing argument {name!r} of {shown}; {hint}") from None
+        if "too many positional arguments" in text:
+            takes = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            raise UsageError(
+                f"{call}: too many positional values: {shown} takes at most {len(takes)}, got {len(args)}; "
+                "name the others with -k name=value"
+            ) from None
+        raise UsageError(f"{call}: {text} (the callable is {shown})") from None
+    positional = list(bound.arguments.items())[: len(args)]
+    for i, (name, value) in enumerate(positional):
+        if name in ("device", "dtype") and not (has_config and i == 0):
+            raise UsageError(
+                f"{call}: the positional value {value!r} lands in parameter {name!r} of {shown}; "
+                f"pass the {name} with {_OPTION_OF[name]}, and other arguments with -k name=value"
+            )
+
+
+def _signature_text(fn, sig) -> str:
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    plain = sig.replace(
+        parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
+        return_annotation=inspect.Signature.empty,
+    )
+    return f"{name}{plain}"
+
+
 def describe_call(spec: str, args, kwargs, config: str | None = None) -> str:
     """How a call is shown in messages.
 
@@ -224,22 +238,31 @@ def describe_call(spec: str, args, kwargs, config: str | None = None) -> str:
 
 
 def build(opts):
-    """Build ``opts.target`` deferred; return ``(result, seconds, resident bytes grown, call text)``.
+    """Build ``opts.target`` deferred; return ``(result, seconds, resident bytes grown,
+    call text, dtype text)``, the last saying which default dtype it was built under
+    and why.
 
     Example::
 
         >>> opts = make_parser().parse_args(["inspect", "torch.nn:Linear", "4", "2"])
-        >>> model, seconds, grown, call = build(opts)
-        >>> call
-        'torch.nn:Linear(4, 2)'
+        >>> model, seconds, grown, call, dtype = build(opts)
+        >>> call, dtype
+        ('torch.nn:Linear(4, 2)', 'float32 (PyTorch default)')
     """
     fn = load_target(opts.target)
     args = [parse_value(a) for a in opts.args]
     kwargs = parse_kwargs(opts.kwarg)
     call = describe_call(opts.target, args, kwargs, opts.config)
-    if opts.config:
-        args = [load_config(opts.config, fn)] + args
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
+    why = "--dtype" if dtype is not None else None
+    if opts.config:
+        config, data = load_config(opts.config, fn)
+        args = [config] + args
+        if dtype is None:
+            dtype, key = config_dtype(data)
+            if dtype is not None:
+                why = f"the config's {key}; --dtype overrides it"
+    check_arguments(fn, call, args, kwargs, has_config=bool(opts.config))
     device_ctx = contextlib.nullcontext()
     if opts.device:
         try:
@@ -262,7 +285,9 @@ def build(opts):
             raise
         raise ConstructorError(f"{call} raised {type(e).__name__}: {first_line(e)}") from e
     seconds = time.perf_counter() - t0
-    return result, seconds, rss_bytes() - grown_from, call
+    used = dtype_name(dtype if dtype is not None else torch.get_default_dtype())
+    dtype_text = f"{used} ({why})" if why else f"{used} (PyTorch default)"
+    return result, seconds, rss_bytes() - grown_from, call, dtype_text
 
 
 def first_line(e: BaseException) -> str:

@@ -9,7 +9,7 @@ from ..graph import Input, Node
 from ..plan import read_of
 from ..recorder import is_deferred_fake
 from ..text import dtype_name
-from ..view import Graph, deferred_tensors, op_name
+from ..view import Graph, data_closure, deferred_tensors, op_name, record_base
 from .drawing import Drawing, Item, common, parent, relative, within
 from .labels import node_label, scalars_text
 from .style import ALIAS_EDGE, RNG_EDGE, TENSOR_EDGE, VIEW_EDGE, WRITE_EDGE, category
@@ -53,8 +53,10 @@ def collect(obj, *, module, depth, expand, name) -> Drawing:
             f"the {what} has no deferred tensors to draw: build it with deferred_init, "
             "and draw it before materializing it"
         )
+    # Numbered as graph_of(obj) numbers them, whatever part is drawn.
+    base = record_base([f for _, f in deferred_tensors(obj)])
     d = Drawing(
-        graph=Graph(targets), title=what, root_module=root_module, root=root,
+        graph=Graph(targets, base=base), title=what, root_module=root_module, root=root,
         tensor_obj=not isinstance(obj, torch.nn.Module), depth=depth, expand=expand,
     )
     _build(d, targets, kinds)
@@ -64,7 +66,7 @@ def collect(obj, *, module, depth, expand, name) -> Drawing:
 def _build(d: Drawing, targets, kinds) -> None:
     graph = d.graph
     reads = [(n, f, read_of(f)) for n, f in targets]
-    data = _data_closure([r for _, _, r in reads])
+    data = data_closure([r for _, _, r in reads])
     in_graph = {id(n) for n in graph.nodes}
     nodes = [n for n in graph.nodes if id(n) in data]
     rng_only = [n for n in graph.nodes if id(n) not in data]
@@ -194,27 +196,6 @@ def _read_sources(inp: Input, in_graph) -> tuple[Node, Node | None]:
 
 def _first_input(node: Node):
     return next((x for x in node.flat if type(x) is Input), None)
-
-
-def _data_closure(reads) -> set[int]:
-    """The nodes the reads depend on by data (not only through a generator's state)."""
-    seen: set[int] = set()
-    stack = []
-    for r in reads:
-        stack.append(r.value.node)
-        if r.version is not None:
-            stack.append(r.version)
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        for x in node.flat:
-            if type(x) is Input:
-                stack.append(x.value.node)
-                if x.version is not None:
-                    stack.append(x.version)
-    return seen
 
 
 def _values(nodes, reads) -> dict:

@@ -20,9 +20,10 @@ HAS_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAS_DOT, reason="Graphviz's `dot` program is not installed (apt-get install graphviz)")
 
 
-def run(*args, cwd, path=None, timeout=240):
+def run(*args, cwd, path=None, timeout=240, env_extra=None):
     """``python -m deferinit ARGS`` in ``cwd``; returns the CompletedProcess."""
     env = dict(os.environ)
+    env.update(env_extra or {})
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -109,6 +110,77 @@ def test_inspect_transformers_with_config_offline(tmp_path):
     assert "model.embed_tokens (Embedding)" in r.stdout or "lm_head (Linear)" in r.stdout
 
 
+SMALL_LLAMA = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+)
+
+
+def _eager_rows(config, dtype):
+    """``{dtype name: (tensors, elements)}`` of the parameters of LlamaForCausalLM
+    built eagerly under default dtype ``dtype``, as from_pretrained(dtype=...) does."""
+    import transformers
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        eager = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    rows = {}
+    for p in eager.parameters():
+        name = str(p.dtype).replace("torch.", "")
+        t, n = rows.get(name, (0, 0))
+        rows[name] = (t + 1, n + p.numel())
+    return rows
+
+
+def _hf_cache_with(tmp_path, repo: str, config: dict) -> pathlib.Path:
+    """A Hugging Face hub cache (its documented layout) holding ``repo``'s config.json."""
+    hub = tmp_path / "hub"
+    snapshot = hub / f"models--{repo.replace('/', '--')}" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+    return hub
+
+
+def test_inspect_config_directory_file_and_cached_model_id_honour_the_config_dtype(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**SMALL_LLAMA)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(tmp_path / "saved")            # a directory, as save_pretrained writes it
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    old_style = {k: v for k, v in saved.items() if k != "dtype"}
+    old_style["torch_dtype"] = "float16"                  # the key older transformers wrote
+    (tmp_path / "old.json").write_text(json.dumps(old_style))
+    hub = _hf_cache_with(tmp_path, "acme/tiny-llama", saved)
+
+    cases = [
+        (("--config", "saved"), None, torch.bfloat16, "bfloat16 (the config's dtype; --dtype overrides it)"),
+        (("--config", "saved", "--dtype", "float32"), None, torch.float32, "float32 (--dtype)"),
+        (("--config", "old.json"), None, torch.float16, "float16 (the config's torch_dtype"),
+        (("--config", "acme/tiny-llama"), {"HF_HUB_CACHE": str(hub)}, torch.bfloat16, "bfloat16 (the config's dtype"),
+    ]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(
+            lambda case: run("inspect", "transformers:LlamaForCausalLM", *case[0], cwd=tmp_path, env_extra=case[1]),
+            cases,
+        ))
+    for (args, env, dtype, said), r in zip(cases, runs):
+        assert r.returncode == 0, (args, r.stderr)
+        assert f"built with dtype  {said}" in r.stdout, (args, r.stdout)
+        for name, (tensors, numel) in _eager_rows(config, dtype).items():
+            assert row(r.stdout, name)[1:3] == [f"{tensors:,}", f"{numel:,}"], (args, name, r.stdout)
+
+
+def test_inspect_without_config_dtype_says_pytorch_default(tmp_path):
+    r = run("inspect", "torch.nn:Linear", 8, 8, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "built with dtype  float32 (PyTorch default)" in r.stdout
+
+
 def test_graph_writes_dot_by_extension(tmp_path):
     r = run("graph", "torch.nn:Embedding", 10, 4, "-k", "padding_idx=0", "-o", "emb.dot", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -188,6 +260,15 @@ BAD_INPUT = [
     (("graph", "torch.nn:Linear", 3, 3, "-o", "x.jpg"), "the extension must be one of"),
     (("graph", "torch.nn:Linear", 3, 3, "--module", "nope", "-o", "x.dot"), "has no submodule 'nope'"),
     (("frobnicate",), "invalid choice: 'frobnicate'"),
+    (("inspect", "torch.nn:Linear", 4, 4, 5, 6), "the positional value 6 lands in parameter 'device' of Linear("),
+    (("inspect", "torch.nn:Linear", 4, 4, 5, 6, 7, 8), "too many positional values"),
+    (("inspect", "torch.nn:Linear", 4), "missing argument 'out_features'"),
+    (("inspect", "transformers:LlamaForCausalLM"), "missing argument 'config' of LlamaForCausalLM(config); pass a transformers config with --config"),
+    (("inspect", "transformers:LlamaForCausalLM", "--config", "no/such-model"), "nor a model id whose config.json is in the local Hugging Face cache"),
+    (("inspect", "transformers:LlamaForCausalLM", "--config", "."), "the directory has no config.json"),
+    (("demo", "-o", "/missing/dir/x.svg"), "the directory /missing/dir does not exist"),
+    (("demo", "-o", "x.jpg"), "the extension must be one of"),
+    (("graph", "torch.nn:Linear", 3, 3, "-o", "/missing/dir/x.dot"), "the directory /missing/dir does not exist"),
 ]
 
 
@@ -207,6 +288,7 @@ def test_bad_input_is_one_line_and_status_2(bad_input_runs, case):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.startswith("deferinit: error: ") and message in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout == ""   # refused before any work (the demo prints its steps as it goes)
 
 
 def test_constructor_that_raises_is_one_line_unless_debug(tmp_path):

@@ -305,3 +305,66 @@ def test_70b_record_renders_collapsed(tmp_path):
     svg = write(to_dot(model), tmp_path / "llama70b.svg").read_text()
     assert "x80" in svg and "layers.0.mlp.up_proj.weight" in svg and "[28672, 8192] bfloat16 cpu" in svg
     assert "layers.1." not in svg
+
+
+def _numbers_by_seq(graph):
+    """``node.seq -> "%N"`` as a printed graph numbers its nodes."""
+    return {n.seq: graph.name_of(n) for n in graph.nodes}
+
+
+def _drawn_numbers(d):
+    """``node.seq -> "%N"`` as the DOT view labels its op nodes (ids are n<seq>)."""
+    return {int(k[1:]): lines[0].split(" ", 1)[0] for k, (lines, _) in d.nodes.items() if re.fullmatch(r"n\d+", k)}
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_numbers_are_the_same_in_every_view_of_a_record():
+    """Issue 14: to_dot(m, module="model.layers.3") and graph_of(m) label the same
+    nodes with the same numbers, and so do graph_of of a submodule and to_dot of the
+    whole model."""
+    transformers = pytest.importorskip("transformers")
+    from deferinit import graph_of
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )
+    m = deferred_init(transformers.LlamaForCausalLM, config)
+    whole = _numbers_by_seq(graph_of(m))
+    assert sorted(int(v[1:]) for v in whole.values())[0] == 0   # the record's first op is %0
+    views = [
+        _drawn_numbers(Dot(to_dot(m, module="model.layers.3"))),
+        _drawn_numbers(Dot(to_dot(m, module="model.layers.0.mlp"))),
+        _drawn_numbers(Dot(to_dot(m, expand=True))),
+        _numbers_by_seq(graph_of(m.model.layers[3])),
+        _numbers_by_seq(graph_of(m.lm_head.weight)),
+    ]
+    for view in views:
+        assert view and {seq: whole[seq] for seq in view} == view
+    # Numbers follow recorded order: a later op has a larger number.
+    ordered = [int(whole[s][1:]) for s in sorted(whole)]
+    assert ordered == sorted(ordered) and len(set(ordered)) == len(ordered)
+
+
+def test_numbers_of_a_module_made_by_two_records_follow_the_whole_model():
+    first = deferred_init(nn.Linear, 4, 4)
+    second = deferred_init(nn.Linear, 4, 2)
+    m = nn.Sequential(first, second)
+    from deferinit import graph_of
+
+    whole = _numbers_by_seq(graph_of(m))
+    assert min(int(v[1:]) for v in whole.values()) == 0
+    drawn = _drawn_numbers(Dot(to_dot(m, module="1")))
+    assert drawn and {seq: whole[seq] for seq in drawn} == drawn
+
+
+def test_draws_kept_only_for_the_generator_state_are_marked_in_text():
+    from deferinit import graph_of
+
+    m = deferred_init(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)))
+    lines = str(graph_of(m[1])).splitlines()
+    # Eagerly, layer 1's draws come after layer 0's two: those are replayed, their results unused.
+    marked = [l for l in lines if l.endswith("# for the generator state")]
+    assert len([l for l in marked if "uniform_" in l]) == 2
+    assert len([l for l in marked if "empty" in l]) == 2
+    assert sorted(l.rsplit("# ", 1)[1] for l in lines if l not in marked and "uniform_" in l) == ["bias", "weight"]

@@ -55,6 +55,17 @@ def test_fsdp2_peak_memory_is_shards_plus_one_full_parameter():
         assert r["planned"] == r["shards"] + r["param"], r
 
 
+def test_fsdp2_progress_counts_each_ranks_shards():
+    import re
+
+    from deferinit.text import fmt_bytes
+
+    for r in run_ranks(workers.case_fsdp2_progress, 2):
+        assert re.search(rf"materializing {r['tensors']} tensors", r["log"]), r["log"]
+        summary = re.search(r"deferinit: materialized (\d+) tensors \(([^)]+)\) in ", r["log"])
+        assert summary and summary.groups() == (str(r["tensors"]), fmt_bytes(r["bytes"])), r["log"]
+
+
 def test_llama_two_ranks_full_state_dict_equals_eager():
     pytest.importorskip("transformers")
     results = run_ranks(workers.case_llama, 2, timeout=180)

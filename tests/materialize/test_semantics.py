@@ -1,10 +1,8 @@
 """What materialization promises besides the values (issue 4): identity,
 in-place swapping, device remapping, inference-mode semantics, all or nothing,
-memory release, progress."""
+memory release."""
 
 import gc
-import io
-import sys
 import weakref
 
 import pytest
@@ -298,29 +296,6 @@ def test_partially_materialized_record_stays_for_the_rest():
     materialize_tensor(m.bias)
     gc.collect()
     assert record() is None
-
-
-# -- progress ----------------------------------------------------------------------------------------------
-
-
-def test_progress_bar_only_on_a_terminal_when_switched_on(monkeypatch):
-    pytest.importorskip("tqdm")
-    stream = io.StringIO()
-    stream.isatty = lambda: True
-    monkeypatch.setattr(sys, "stderr", stream)
-    m = deferred_init(nn.Transformer, 16, 2, 1, 1, 32)
-    materialize_module(m)  # off by default
-    assert stream.getvalue() == ""
-    m = deferred_init(nn.Transformer, 16, 2, 1, 1, 32)
-    materialize_module(m, progress=True)
-    assert "materializing" in stream.getvalue()
-    stream.isatty = lambda: False
-    stream.seek(0)
-    stream.truncate()
-    m = deferred_init(nn.Transformer, 16, 2, 1, 1, 32)
-    monkeypatch.setenv("DEFERINIT_PROGRESS", "1")
-    materialize_module(m)
-    assert stream.getvalue() == ""  # not a terminal
 
 
 def test_materializing_on_meta_is_refused():
