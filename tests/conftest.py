@@ -28,6 +28,9 @@ def _global_state():
 
 @pytest.fixture(autouse=True)
 def _restores_global_state():
+    # Every test starts from seed 0: a deferred model an earlier test kept
+    # alive must not make this test's first model continue its random stream.
+    torch.manual_seed(0)
     before = _global_state()
     yield
     assert _global_state() == before, "a test left modes, patches, default dtype or grad mode changed"
