@@ -22,7 +22,7 @@ from fake.tensor import FakeTensor, describe
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
-from .graph import Input, Node, Storage, Value
+from .graph import Input, Leaf, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
 from .where import constructing
@@ -94,6 +94,15 @@ class Recorder(FakeHandler):
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype
+        grad_mode = _grad_enabled()
+        if info.view_arg is not None:
+            # Autograd marks every view with the grad mode it was taken in
+            # (an in-place op may later need it), and a view taken under
+            # no_grad of a tensor that requires grad requires grad too.
+            node.grad = _autograd_reads(flat) or ()
+            node.no_grad = not grad_mode
+        elif grad_mode:
+            node.grad = _autograd_reads(flat)
 
         written = call.mutated
         for fake in written:
@@ -302,6 +311,28 @@ def check_storage_not_real(fake: FakeTensor, op) -> None:
             "memory with a tensor already materialized, so the write would be replayed out of "
             "order. Materialize this tensor first (materialize_tensor), then write to it."
         )
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+def _autograd_reads(flat):
+    """What autograd saw of this call: None if no input requires grad, else
+    the ``(position, Leaf)`` of the inputs that are leaves requiring grad."""
+    grad = None
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            if grad is None:
+                grad = []
+            if isinstance(x, FakeTensor) and x.is_leaf and not (x._is_view() and x._base.requires_grad):
+                # A leaf (a view taken under no_grad of a tensor requiring
+                # grad is not one: replay computes it from its base).
+                d = x.__dict__
+                leaf = d.get("_leaf")
+                if leaf is None:
+                    leaf = d["_leaf"] = Leaf()
+                grad.append((i, leaf))
+    return tuple(grad) if grad is not None else None
 
 
 def _has_tensor(flat) -> bool:

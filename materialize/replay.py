@@ -7,7 +7,10 @@ Random nodes draw from the state their generator had eagerly, on private
 generators (:mod:`materialize.draws`); every state passed is cached on the
 record, so any order of requests costs at most one extra pass.
 
-Everything runs below autograd (``no_grad``, or ``inference_mode`` on request).
+Everything runs below autograd (``no_grad``, or ``inference_mode`` on request),
+except, when ``autograd=`` is given, the calls autograd recorded eagerly:
+those run with grad enabled on the leaf objects ``autograd`` hands out, so
+that tensors computed from parameters get eager's graph.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from .draws import Draws
 
 __all__ = ["Replay", "read_of"]
 
+_alias = torch.ops.aten.alias.default
+_detach = torch.ops.aten.detach.default
+
 
 class Replay(Plan):
     """One replay: the closure of some reads, executed in recorded order.
@@ -40,7 +46,7 @@ class Replay(Plan):
         (<class 'torch.Tensor'>, torch.Size([3, 2]))
     """
 
-    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=()):
+    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=(), autograd=None):
         if device is not None and torch.device(device).type == "meta":
             label = next((l for l in labels or () if l), "the tensors")
             raise ValueError(
@@ -48,6 +54,9 @@ class Replay(Plan):
                 "Keep it deferred (it already reports shape, dtype and device), or use fake.meta_like."
             )
         self.inference = inference
+        # autograd(leaf, tensor, input) -> the leaf object to compute on, for
+        # the inputs of nodes autograd recorded (see materialize/autograd.py).
+        self.autograd = autograd
         self.labels = labels or [None] * len(targets)
         self.progress = progress
         super().__init__(targets, device=device, extra=extra)
@@ -96,9 +105,9 @@ class Replay(Plan):
 
         env: dict = {}
         real_views: dict = {}
-        mode = torch.inference_mode() if self.inference else torch.no_grad()
         total = len(self.order)
-        with Draws(self.streams) as draws, no_python_dispatch(), mode, _default_dtype_guard() as dtype_guard:
+        self._uses = uses
+        with Draws(self.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
             for done, node in enumerate(self.order):
                 try:
                     self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard, draws)
@@ -143,7 +152,7 @@ class Replay(Plan):
                 if node.reshapes and first_input:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
-                    t = torch.ops.aten.alias.default(t)
+                    t = self._alias(node, t)
                 first_input = False
                 args.append(t)
             elif isinstance(x, torch.device):
@@ -153,12 +162,30 @@ class Replay(Plan):
         a, k = unflatten(args, node.spec)
 
         dtype_guard.set(node.default_dtype)
-        out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+        if node.grad is not None and self.autograd is not None:
+            out = self._run_with_grad(node, args, draws)
+        else:
+            out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
+
+    def _alias(self, node: Node, t: torch.Tensor) -> torch.Tensor:
+        if node.grad is None or self.autograd is None:
+            return _alias(t)
+        # Under autograd the tensor must be what it was eagerly: a tensor of
+        # its own, or the very view (its grad_fn is regenerated from the
+        # view's own function after the in-place op).
+        return t if t._is_view() else _detach(t)
+
+    def _run_with_grad(self, node: Node, args: list, draws=None):
+        for pos, leaf in node.grad:
+            args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
+        a, k = unflatten(args, node.spec)
+        with torch.set_grad_enabled(not node.no_grad):
+            return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 
     def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
         value = inp.value
@@ -190,6 +217,18 @@ class Replay(Plan):
             f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "
             f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
         )
+
+
+@contextlib.contextmanager
+def _grad_mode(inference: bool):
+    """``inference_mode()``, or ``no_grad()`` outside any ambient inference mode:
+    tensors recorded as normal ones stay normal when materialized inside one."""
+    if inference:
+        with torch.inference_mode():
+            yield
+    else:
+        with torch.inference_mode(False), torch.no_grad():
+            yield
 
 
 class _DefaultDtype:
