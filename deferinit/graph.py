@@ -74,7 +74,8 @@ class Node:
     # Not None when autograd saw this call eagerly (a view, or an input
     # requiring grad under grad mode): ``((position in flat, Leaf), ...)``
     # for the inputs that were leaves requiring grad, so that replay can
-    # build the same autograd graph on the same leaf objects; ``no_grad``
+    # build the same autograd graph on the same leaf objects, and
+    # ``(position, None)`` for inputs that did not require grad; ``no_grad``
     # when grad mode was off (a view of a parameter taken under no_grad).
     grad = None
     no_grad = False

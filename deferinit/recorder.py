@@ -99,7 +99,7 @@ class Recorder(FakeHandler):
             # Autograd marks every view with the grad mode it was taken in
             # (an in-place op may later need it), and a view taken under
             # no_grad of a tensor that requires grad requires grad too.
-            node.grad = _autograd_reads(flat) or ()
+            node.grad = _autograd_reads(flat, view=True)
             node.no_grad = not grad_mode
         elif grad_mode:
             node.grad = _autograd_reads(flat)
@@ -316,23 +316,38 @@ def check_storage_not_real(fake: FakeTensor, op) -> None:
 _grad_enabled = torch.is_grad_enabled
 
 
-def _autograd_reads(flat):
-    """What autograd saw of this call: None if no input requires grad, else
-    the ``(position, Leaf)`` of the inputs that are leaves requiring grad."""
-    grad = None
+def _is_leaf(x: FakeTensor) -> bool:
+    """A leaf requiring grad (a view taken under no_grad of a tensor requiring
+    grad is not one: replay computes it from its base)."""
+    try:
+        return x.is_leaf and not (x._is_view() and x._base.requires_grad)
+    except RuntimeError:
+        # Autograd refuses to rebuild this view's grad_fn (a view taken under
+        # no_grad whose base was written in place under grad mode).
+        return False
+
+
+def _autograd_reads(flat, view: bool = False):
+    """What autograd saw of this call: None if no input requires grad (and
+    the call is no view), else ``(position, Leaf)`` for the inputs that are
+    leaves requiring grad and ``(position, None)`` for the fakes that do not
+    require grad (``t.data``: replay strips whatever graph its value has)."""
+    entries = []
+    requires = False
     for i, x in enumerate(flat):
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            if grad is None:
-                grad = []
-            if isinstance(x, FakeTensor) and x.is_leaf and not (x._is_view() and x._base.requires_grad):
-                # A leaf (a view taken under no_grad of a tensor requiring
-                # grad is not one: replay computes it from its base).
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.requires_grad:
+            requires = True
+            if isinstance(x, FakeTensor) and _is_leaf(x):
                 d = x.__dict__
                 leaf = d.get("_leaf")
                 if leaf is None:
                     leaf = d["_leaf"] = Leaf()
-                grad.append((i, leaf))
-    return tuple(grad) if grad is not None else None
+                entries.append((i, leaf))
+        elif isinstance(x, FakeTensor):
+            entries.append((i, None))
+    return tuple(entries) if requires or view else None
 
 
 def _has_tensor(flat) -> bool:

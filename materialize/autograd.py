@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import AutogradMaterializationError
-from deferinit.plan import real_read
 from deferinit.recorder import is_deferred_fake
 from fake.tensor import FakeTensor
 
@@ -81,16 +80,26 @@ def graph_leaves(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def deferred_leaves(targets) -> list[tuple[str, torch.Tensor]]:
-    """``(label, fake)`` for the deferred leaves of the non-leaf ``targets``'
-    graphs that are not targets themselves: they must be materialized along."""
+    """``(label, fake)`` for what the graphs of ``targets`` reach that is still
+    deferred and not a target: their leaves, and the base of a view (eagerly
+    the view's ``_base``).  They must be materialized along."""
     ids = {id(f) for _, f in targets}
     extra = []
-    for name, fake in targets:
+    work = list(targets)
+    while work:
+        name, fake = work.pop()
         if not needs_graph(fake):
             continue
         roots = [fake]
         if fake._is_view() and fake._base is not None:
-            roots.append(fake._base)
+            base = fake._base
+            roots.append(base)
+            storage = base.__dict__.get("_storage")
+            if (needs_graph(base) and is_deferred_fake(base) and id(base) not in ids
+                    and storage is not None and storage.real is None):
+                ids.add(id(base))
+                extra.append((f"{name} (its base)", base))
+                work.append(extra[-1])
         leaves = []
         for root in roots:
             if root.requires_grad and grad_fn_of(root) is None and not is_grad_view(root):
@@ -125,6 +134,10 @@ class Binder:
                 self.fakes[id(token)] = fake
         self.make = make
         self.made: dict = {}  # id(Leaf) -> leaf object made in this replay
+        # Targets that belong to a graph: one whose memory is already real
+        # (a view of a parameter materialized before) is viewed again from
+        # the real parameter (Replay._view_again).
+        self.views_again = [i for i, (_, fake) in enumerate(targets) if needs_graph(fake)]
 
     def __call__(self, token, tensor: torch.Tensor, inp) -> torch.Tensor:
         obj = self.made.get(id(token))
@@ -139,7 +152,9 @@ class Binder:
                 obj.requires_grad_(True)
             return obj
         real = token.real
-        if real is not None and real_read(inp) and same_memory(real, tensor):
+        if real is not None and same_memory(real, tensor):
+            # Materialized before, and this is its memory (a read of a
+            # storage already real, or a view node taken again from it).
             return real
         # A leaf no target's graph accumulates into (a temporary parameter
         # only viewed under no_grad): a leaf of its own, that nothing sees.
@@ -176,8 +191,8 @@ def check_graph(name: str, fake: torch.Tensor, real: torch.Tensor, binder: Binde
     if fake.is_inference():
         return
     if is_grad_view(fake):
-        if not (real.requires_grad and real._is_view() and grad_fn_of(real) is None):
-            _refuse(name, fake, None, grad_fn_of(real))
+        # Rebuilt as a view of its base when replay could (dress falls back
+        # to a leaf that requires grad: docs/errors.md, known differences).
         return
     if grad_fn_of(fake) is None:
         return
@@ -219,7 +234,7 @@ def _refuse(name, fake, f, r):
         f"cannot materialize {name} with eager's autograd graph: eagerly it is computed from "
         f"tensors that require grad ({eager}, at {f.name() if f is not None else 'the view'}), "
         f"the replay gave {got}. This happens when the tensors of one graph are materialized "
-        "separately (a view or a tensor computed from a parameter materialized after that "
-        "parameter): materialize them in one materialize_module call, or the computed tensor "
-        "first. Nothing was changed."
+        "separately (a tensor computed from another computed tensor that was materialized "
+        "before it): materialize them in one materialize_module call, or the later one first. "
+        "Nothing was changed."
     )

@@ -25,6 +25,7 @@ from deferinit.plan import Plan, real_read, read_of
 from fake.device import exists
 from fake.bypass import no_python_dispatch
 from fake.flat import flatten_output, unflatten
+from fake.opinfo import op_info
 from fake.tensor import describe
 
 from .draws import Draws
@@ -123,6 +124,8 @@ class Replay(Plan):
                 if self.progress is not None:
                     self.progress(done + 1, total)
             results = [self._resolve(inp, env, real_views) for inp in self.targets]
+            for i in getattr(self.autograd, "views_again", ()):
+                results[i] = self._view_again(self.targets[i], env, real_views, results[i])
         return results
 
     def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
@@ -152,7 +155,7 @@ class Replay(Plan):
                 if node.reshapes and first_input:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
-                    t = self._alias(node, t)
+                    t = self._alias(node, t, len(args))
                 first_input = False
                 args.append(t)
             elif isinstance(x, torch.device):
@@ -172,20 +175,54 @@ class Replay(Plan):
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
 
-    def _alias(self, node: Node, t: torch.Tensor) -> torch.Tensor:
-        if node.grad is None or self.autograd is None:
+    def _alias(self, node: Node, t: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.autograd is None:
             return _alias(t)
-        # Under autograd the tensor must be what it was eagerly: a tensor of
-        # its own, or the very view (its grad_fn is regenerated from the
-        # view's own function after the in-place op).
-        return t if t._is_view() else _detach(t)
+        # Under autograd the tensor must be what it was eagerly: the very
+        # tensor when it has a graph or is a view (its grad_fn is kept, or
+        # regenerated from the view after the in-place op), else a tensor
+        # of its own.
+        plain = node.grad is not None and any(p == pos and leaf is None for p, leaf in node.grad)
+        key = node.flat[pos].value.key
+        alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
+        if alone and ((t.requires_grad and not plain) or (node.grad is not None and t._is_view())):
+            return t
+        return _detach(t) if node.grad is not None else _alias(t)
 
     def _run_with_grad(self, node: Node, args: list, draws=None):
         for pos, leaf in node.grad:
-            args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
+            if leaf is None:
+                if args[pos].requires_grad:
+                    # What t.data gives: no graph, a version counter of its own.
+                    args[pos] = args[pos].data
+            else:
+                args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
         a, k = unflatten(args, node.spec)
         with torch.set_grad_enabled(not node.no_grad):
             return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+
+    def _view_again(self, inp: Input, env, real_views, real: torch.Tensor) -> torch.Tensor:
+        """A target that is a view of memory already real, and belongs to an
+        autograd graph: its view node runs again on the real leaf objects."""
+        node = inp.value.node
+        if not real_read(inp) or node.kind != "op" or node.grad is None or node.rng is not None:
+            return real
+        if op_info(node.target).view_arg is None:
+            return real
+        args = []
+        for x in node.flat:
+            if type(x) is Input:
+                storage = x.value.storage
+                if storage is not None and storage.real is not None:
+                    # A view depends on the geometry, not on the version read.
+                    x = Input(x.value, storage.real_head)
+                elif x.value.key not in env:
+                    return real
+                x = self._resolve(x, env, real_views)
+            args.append(x)
+        out = self._run_with_grad(node, args)
+        outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
+        return outs[inp.value.index]
 
     def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
         value = inp.value

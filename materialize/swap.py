@@ -49,6 +49,11 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             obj = _leaf(cls, real, requires_grad)
     elif made is not None:
         obj = made
+    elif is_grad_view(fake) and not (real.requires_grad and real._is_view()):
+        # A view taken under no_grad that replay could not take again from
+        # its base: a leaf that requires grad, as before its base was known.
+        with torch.inference_mode(False):
+            obj = _leaf(cls, real, floating)
     elif grad_fn is not None or is_grad_view(fake):
         if not real.requires_grad:
             raise AutogradMaterializationError(

@@ -54,8 +54,8 @@ def assert_same_autograd(eager, m, attr):
         for module in (eager, m):
             module.zero_grad(set_to_none=True)
         weights = torch.arange(e.numel(), dtype=e.dtype).reshape(e.shape)
-        (eval(f"eager.{attr}") * weights).sum().backward()
-        (eval(f"m.{attr}") * weights).sum().backward()
+        (eval(f"eager.{attr}") * weights).sum().backward(retain_graph=True)
+        (eval(f"m.{attr}") * weights).sum().backward(retain_graph=True)
         for (name, p), (_, q) in zip(eager.named_parameters(), m.named_parameters()):
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None:
@@ -134,14 +134,42 @@ def test_parameter_first_then_computed_tensor():
     assert_same_autograd(eager, m, "out")
 
 
-def test_view_materialized_after_its_parameter_is_refused():
-    """A view of a parameter already materialized cannot be rebuilt on it: named error, nothing changed."""
-    eager, m = eager_and_deferred(Computed, "view of a parameter")
+@pytest.mark.parametrize("how", ["view of a parameter", "transposed view", "in a list"])
+def test_view_materialized_after_its_parameter(how):
+    """The view is taken again from the real parameter: eager's view and graph."""
+    eager, m = eager_and_deferred(Computed, how)
     materialize_tensor(m.w)
-    out = m.out
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+    assert_same_autograd(eager, m, "out")
+    if how != "in a list":
+        assert m.out._base is m.w
+
+
+class ViewOfComputed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.x = self.w * 2
+        self.y = self.x[0]
+
+
+def test_view_of_a_computed_tensor_materialized_after_it_is_refused():
+    """Its graph would have to start from the computed tensor's real object: named error, nothing changed."""
+    m = deferred_init(ViewOfComputed)
+    materialize_tensor(m.x)
+    y = m.y
     with pytest.raises(AutogradMaterializationError, match="materialize them in one materialize_module call"):
         materialize_module(m)
-    assert m.out is out and is_deferred(out)
+    assert m.y is y and is_deferred(y)
+
+
+def test_view_of_a_computed_tensor_together():
+    eager, m = eager_and_deferred(ViewOfComputed)
+    materialize_tensor(m.y)
+    materialize_module(m)
+    assert_same_autograd(eager, m, "x")
+    assert_same_autograd(eager, m, "y")
 
 
 def test_buffers_only_refuses_a_buffer_computed_from_a_parameter():
