@@ -22,6 +22,7 @@ The same as a block::
 """
 
 from .errors import (
+    AutogradMaterializationError,
     DataDependentError,
     DeferredInitError,
     DeviceUnavailableError,
@@ -44,6 +45,7 @@ __all__ = [
     "to_dot",
     "materialize_module",
     "materialize_tensor",
+    "AutogradMaterializationError",
     "DataDependentError",
     "DeferredInitError",
     "DeviceUnavailableError",

@@ -43,3 +43,7 @@ class DeviceUnavailableError(MaterializationError):
 
 class ReplayError(MaterializationError):
     """An operation failed while being replayed."""
+
+
+class AutogradMaterializationError(MaterializationError):
+    """A tensor computed with autograd cannot get eager's autograd graph."""

@@ -71,6 +71,14 @@ class Node:
     # Positions in ``flat`` of the inputs this node writes in place.
     writes = ()
     default_dtype = None
+    # Not None when autograd saw this call eagerly (a view, or an input
+    # requiring grad under grad mode): ``((position in flat, Leaf), ...)``
+    # for the inputs that were leaves requiring grad, so that replay can
+    # build the same autograd graph on the same leaf objects, and
+    # ``(position, None)`` for inputs that did not require grad; ``no_grad``
+    # when grad mode was off (a view of a parameter taken under no_grad).
+    grad = None
+    no_grad = False
 
     def __init__(self, kind, target, flat=(), spec=None, payload=None):
         self.seq = next(_seq)
@@ -169,6 +177,23 @@ class Input:
 
     def __repr__(self) -> str:
         return f"<Input {self.value!r} @ {self.version!r}>"
+
+
+class Leaf:
+    """The identity of one leaf tensor that requires grad (an ``nn.Parameter``)
+    as autograd saw it while recording.
+
+    Several tensor objects may share one value (``nn.Parameter(t)`` and
+    ``t``), but gradients accumulate on one object: the fake keeps its
+    ``Leaf`` (``__dict__["_leaf"]``) and the nodes that read it through
+    autograd name it.  Once materialized, ``real`` is the real tensor object
+    (the very object that was the fake), so graphs replayed later reach it.
+    """
+
+    __slots__ = ("real",)
+
+    def __init__(self):
+        self.real = None
 
 
 def version_seq(version: Node | None) -> int:

@@ -22,7 +22,7 @@ from fake.tensor import FakeTensor, describe
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
-from .graph import Input, Node, Storage, Value
+from .graph import Input, Leaf, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
 from .where import constructing
@@ -94,6 +94,15 @@ class Recorder(FakeHandler):
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype
+        grad_mode = _grad_enabled()
+        if info.view_arg is not None:
+            # Autograd marks every view with the grad mode it was taken in
+            # (an in-place op may later need it), and a view taken under
+            # no_grad of a tensor that requires grad requires grad too.
+            node.grad = _autograd_reads(flat, view=True)
+            node.no_grad = not grad_mode
+        elif grad_mode:
+            node.grad = _autograd_reads(flat)
 
         written = call.mutated
         for fake in written:
@@ -302,6 +311,43 @@ def check_storage_not_real(fake: FakeTensor, op) -> None:
             "memory with a tensor already materialized, so the write would be replayed out of "
             "order. Materialize this tensor first (materialize_tensor), then write to it."
         )
+
+
+_grad_enabled = torch.is_grad_enabled
+
+
+def _is_leaf(x: FakeTensor) -> bool:
+    """A leaf requiring grad (a view taken under no_grad of a tensor requiring
+    grad is not one: replay computes it from its base)."""
+    try:
+        return x.is_leaf and not (x._is_view() and x._base.requires_grad)
+    except RuntimeError:
+        # Autograd refuses to rebuild this view's grad_fn (a view taken under
+        # no_grad whose base was written in place under grad mode).
+        return False
+
+
+def _autograd_reads(flat, view: bool = False):
+    """What autograd saw of this call: None if no input requires grad (and
+    the call is no view), else ``(position, Leaf)`` for the inputs that are
+    leaves requiring grad and ``(position, None)`` for the fakes that do not
+    require grad (``t.data``: replay strips whatever graph its value has)."""
+    entries = []
+    requires = False
+    for i, x in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.requires_grad:
+            requires = True
+            if isinstance(x, FakeTensor) and _is_leaf(x):
+                d = x.__dict__
+                leaf = d.get("_leaf")
+                if leaf is None:
+                    leaf = d["_leaf"] = Leaf()
+                entries.append((i, leaf))
+        elif isinstance(x, FakeTensor):
+            entries.append((i, None))
+    return tuple(entries) if requires or view else None
 
 
 def _has_tensor(flat) -> bool:

@@ -11,6 +11,7 @@ import torch
 from fake.mode import fake_modes
 
 from . import patches, seeding
+from .holdings import module_tensors
 from .record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
 
@@ -99,7 +100,9 @@ def is_deferred(obj) -> bool:
 
     For a tensor: it is a fake whose recipe was recorded by
     :func:`deferred_init` (a DTensor whose local shard is such a fake counts).
-    For a module: any of its parameters or buffers, recursively, is.
+    For a module: any tensor it or its submodules hold is (parameters,
+    buffers, plain attributes and the tensors in lists, tuples and dicts
+    they hold; see :func:`deferinit.holdings.holdings`).
     Anything else raises ``ValueError``.
 
     Example::
@@ -118,5 +121,5 @@ def is_deferred(obj) -> bool:
 
 
 def _tensors(module: torch.nn.Module):
-    yield from module.parameters()
-    yield from module.buffers()
+    for _, t, _, _ in module_tensors(module):
+        yield t

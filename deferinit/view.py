@@ -19,12 +19,13 @@ from .graph import Input, Node
 from .recorder import is_deferred_fake
 from .plan import Plan, read_of
 from .text import tensor_text
-from .where import tensor_names
+from .holdings import module_tensors
 
 
 def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
-    """``(name, deferred fake)`` pairs of a module (parameters and buffers,
-    DTensor local shards included, ties once) or of a single tensor."""
+    """``(name, deferred fake)`` pairs of a module (parameters, buffers and
+    plain tensor attributes, DTensor local shards included, ties once) or of
+    a single tensor."""
     if isinstance(obj, torch.Tensor):
         fake = obj if is_deferred_fake(obj) else getattr(obj, "_local_tensor", None)
         return [("tensor", fake)] if is_deferred_fake(fake) else []
@@ -32,12 +33,14 @@ def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"expected a tensor or an nn.Module, got {type(obj).__name__}")
     seen = set()
     found = []
-    names = tensor_names(obj)
-    for t in list(obj.parameters()) + list(obj.buffers()):
-        fake = t if is_deferred_fake(t) else getattr(t, "_local_tensor", None)
-        if is_deferred_fake(fake) and id(fake) not in seen:
-            seen.add(id(fake))
-            found.append((names.get(id(t), names.get(id(fake), "?")), fake))
+    for kinds in (("parameter",), ("buffer", "attribute")):
+        for name, t, kind, _ in module_tensors(obj):
+            if kind not in kinds:
+                continue
+            fake = t if is_deferred_fake(t) else getattr(t, "_local_tensor", None)
+            if is_deferred_fake(fake) and id(fake) not in seen:
+                seen.add(id(fake))
+                found.append((name, fake))
     return found
 
 

@@ -1,6 +1,7 @@
 """What the schema of an ATen overload says, computed once per overload.
 
-Which arguments it writes (``Tensor(a!)``), which one its outputs are views
+Which arguments it writes (``Tensor(a!)``, and the few writes kernels make
+that their schema hides: :data:`HIDDEN_WRITES`), which one its outputs are views
 of, whether it draws random numbers, whether it takes ``dtype=``, and
 whether its meta kernel can be skipped: in-place fills keep the geometry of
 their input, and their meta kernels are Python decompositions that cost up
@@ -61,8 +62,63 @@ _SKIP_META = {
 }
 
 
+def _training(args, kwargs, position=5):
+    training = args[position] if len(args) > position else kwargs.get("training")
+    return bool(training)
+
+
+def _always(args, kwargs):
+    return True
+
+
+def _training_at(position):
+    return lambda args, kwargs: _training(args, kwargs, position)
+
+
+# Writes the schema does not annotate: kernels that update tensors they take
+# as plain ``Tensor?`` (batch norm's running statistics in training mode),
+# as {overload name: (argument names, condition on (args, kwargs))}.
+# Found by tools/scan_hidden_writes.py, which runs PyTorch's operator and
+# module test inputs on CPU and compares every argument's bytes before and
+# after each ATen call, and by reading the schemas of every overload that
+# takes running statistics (the cuDNN/MIOpen kernels and SyncBatchNorm's
+# gather_stats only exist on GPUs; their kernels update the running
+# statistics they are given, as their CPU counterpart does).
+_HIDDEN = {
+    "native_batch_norm.default": (("running_mean", "running_var"), _training),
+    "native_batch_norm.out": (("running_mean", "running_var"), _training),
+    "batch_norm_update_stats.default": (("running_mean", "running_var"), _always),
+    "batch_norm_update_stats.out": (("running_mean", "running_var"), _always),
+    "cudnn_batch_norm.default": (("running_mean", "running_var"), _training),
+    "cudnn_batch_norm.out": (("running_mean", "running_var"), _training),
+    "miopen_batch_norm.default": (("running_mean", "running_var"), _training),
+    "miopen_batch_norm.out": (("running_mean", "running_var"), _training),
+    "batch_norm_gather_stats.default": (("running_mean", "running_var"), _always),
+    "batch_norm_gather_stats.out": (("running_mean", "running_var"), _always),
+    "batch_norm_gather_stats_with_counts.default": (("running_mean", "running_var"), _always),
+    "batch_norm_gather_stats_with_counts.out": (("running_mean", "running_var"), _always),
+}
+
+
+def _hidden_writes() -> dict:
+    """{OpOverload: (argument positions, condition)} for the overloads this build has."""
+    out = {}
+    for name, (args, condition) in _HIDDEN.items():
+        packet_name, _, overload = name.partition(".")
+        packet = getattr(aten, packet_name, None)
+        func = getattr(packet, overload, None) if packet is not None else None
+        if func is None:
+            continue
+        names = [a.name for a in func._schema.arguments]
+        out[func] = (tuple(names.index(a) for a in args), condition)
+    return out
+
+
+HIDDEN_WRITES = _hidden_writes()
+
+
 class OpInfo:
-    __slots__ = ("func", "opname", "writes", "view_arg", "random", "dtype_kwarg", "skip_meta", "_checks")
+    __slots__ = ("func", "opname", "writes", "hidden", "view_arg", "random", "dtype_kwarg", "skip_meta", "_checks")
 
     def __init__(self, func):
         schema = func._schema
@@ -71,6 +127,11 @@ class OpInfo:
         self.writes = tuple(
             i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write
         )
+        # Positions the kernel writes although the schema does not say so,
+        # and when it does: see HIDDEN_WRITES.
+        self.hidden = HIDDEN_WRITES.get(func)
+        if self.hidden is not None:
+            self.writes = tuple(sorted(set(self.writes) | set(self.hidden[0])))
         self.view_arg = None
         if func.is_view:
             for i, a in enumerate(schema.arguments):
@@ -89,9 +150,13 @@ class OpInfo:
         return kwargs.get(a.name)
 
     def written(self, args, kwargs) -> list:
-        """The tensors the op writes in place."""
+        """The tensors the op writes in place, including writes its schema hides."""
         out = []
-        for pos in self.writes:
+        positions = self.writes
+        if self.hidden is not None and not self.hidden[1](args, kwargs):
+            hidden = self.hidden[0]
+            positions = tuple(p for p in positions if p not in hidden)
+        for pos in positions:
             value = self.arg(args, kwargs, pos)
             if isinstance(value, torch.Tensor):
                 out.append(value)

@@ -23,7 +23,7 @@ from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, ten
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__

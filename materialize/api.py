@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from deferinit.errors import AutogradMaterializationError
+from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
-from deferinit.where import tensor_names
+
+from .autograd import Binder, check_graph, deferred_leaves, leaf_token, needs_graph, same_memory
 
 from .generators import hand_over_generators
 from .progress import start_progress
@@ -56,9 +61,14 @@ def materialize_module(
     inference: bool = False,
     progress: bool | None = None,
 ) -> torch.nn.Module:
-    """Materialize every deferred parameter and buffer of ``module`` and its children.
+    """Materialize every deferred tensor ``module`` and its children hold.
 
-    All tensors are computed first (one replay, intermediates freed at their
+    Parameters, buffers, and plain tensor attributes (``self.freqs = ...``),
+    also inside the lists, tuples, dicts and sets they hold (see
+    :func:`deferinit.holdings.holdings`); deferred tensors that other objects
+    hold are left, with a warning naming them.  Tensors computed from
+    parameters with autograd keep eager's graph: ``backward()`` reaches the
+    parameters.  All tensors are computed first (one replay, intermediates freed at their
     last use) and swapped in last: if anything fails, the module is left
     exactly as it was, still deferred.  ``check_fn(submodule)`` decides
     whether a submodule's own tensors are materialized (as in torchdistx and
@@ -66,7 +76,9 @@ def materialize_module(
     a second call is a no-op.
 
     ``device=`` maps every recorded device to this one; ``inference=True``
-    replays under ``torch.inference_mode()`` and gives inference tensors;
+    replays under ``torch.inference_mode()`` and gives inference tensors, as
+    eager construction under it would (tensors recorded under an ambient
+    ``inference_mode()`` are inference tensors anyway);
     ``progress=True`` (or ``DEFERINIT_PROGRESS=1``) shows the tensors and
     bytes done on stderr (a tqdm bar; a terminal, Jupyter or a log) and
     leaves a one-line summary.  Once the replays know where a generator's
@@ -83,38 +95,75 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    names = tensor_names(module)
-    targets = []
-    seen = set()
-    for _, sub in module.named_modules(remove_duplicate=False):
-        if check_fn is not None and not check_fn(sub):
-            continue
-        tensors = list(sub._buffers.values())
-        if not buffers_only:
-            tensors = list(sub._parameters.values()) + tensors
-        for t in tensors:
-            fake = _fake_of(t)
-            if fake is not None and id(fake) not in seen:
-                seen.add(id(fake))
-                targets.append((names.get(id(t), "?"), fake))
+    targets, left, beyond = _module_targets(module, buffers_only, check_fn)
     if targets:
         if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
-            _materialize(targets, device=device, inference=inference, progress=progress)
+            _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
+    if beyond:
+        names = ", ".join(beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
+        warnings.warn(
+            f"materialize_module left deferred {len(beyond)} tensor(s) that objects other than "
+            f"modules and plain containers hold: {names}. Make them buffers or plain attributes, "
+            "or materialize them with materialize_tensor.",
+            stacklevel=2,
+        )
     return module
 
 
-def _materialize(targets, *, device, inference, progress) -> None:
+def _module_targets(module, buffers_only, check_fn):
+    """``(name, fake)`` for every deferred tensor the module holds (ties once);
+    ``{id(fake): name}`` of the parameters ``buffers_only`` leaves; the names
+    of deferred tensors held beyond the walk (other objects' attributes)."""
+    targets, left, beyond = [], {}, []
+    seen = set()
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        if check_fn is not None and not check_fn(sub):
+            continue
+        held = holdings(sub, prefix)
+        ordered = [x for x in held.tensors if x[2] == "parameter"] + [x for x in held.tensors if x[2] != "parameter"]
+        for name, t, kind in ordered:
+            fake = _fake_of(t)
+            if fake is None or id(fake) in seen:
+                continue
+            if buffers_only and (kind == "parameter" or fake.__dict__.get("_is_param")):
+                left.setdefault(id(fake), name)
+                continue
+            seen.add(id(fake))
+            targets.append((name, fake))
+        for name, t in held.beyond:
+            fake = _fake_of(t)
+            if fake is not None and id(fake) not in seen:
+                beyond.append(name)
+    return targets, left, beyond
+
+
+def _materialize(targets, *, device, inference, progress, kept_deferred=None) -> None:
+    binder = None
+    if not inference and any(needs_graph(fake) for _, fake in targets):
+        # Tensors computed from parameters with autograd: replay their graph
+        # on the leaf objects, which are materialized with them.
+        extra = deferred_leaves(targets)
+        for label, leaf in extra:
+            if kept_deferred and id(leaf) in kept_deferred:
+                raise AutogradMaterializationError(
+                    f"{label.replace(' (its autograd leaf)', '')} was computed with autograd from "
+                    f"parameter {kept_deferred[id(leaf)]}, which buffers_only=True leaves deferred; "
+                    "materialize them together (buffers_only=False). Nothing was changed."
+                )
+        targets = list(targets) + extra
+        binder = Binder(targets, lambda fake, t: dress(fake, t, False))
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
     fakes = [fake for _, fake in targets]
     shown = start_progress(progress, fakes)
     try:
-        replay = Replay(reads, device=device, inference=inference, labels=labels)
+        replay = Replay(reads, device=device, inference=inference, labels=labels, autograd=binder)
         if shown is not None:
             replay.progress = shown.replay_callback(replay, fakes)
         reals = replay.run()
         storages = [fake._storage for fake in fakes]
-        pairs = [(fake, dress(fake, real, inference)) for fake, real in zip(fakes, reals)]
+        tokens = [leaf_token(fake) for fake in fakes]
+        pairs = _dressed(targets, reals, inference, binder)
         swap_all(pairs)
     except BaseException:
         if shown is not None:
@@ -123,8 +172,39 @@ def _materialize(targets, *, device, inference, progress) -> None:
     if shown is not None:
         shown.close()
 
-    remember_real_storages(reads, storages, reals)
+    for fake, token in zip(fakes, tokens):
+        if token is not None:
+            token.real = fake  # now real: graphs replayed later reach it
+    # The fakes are the real tensors now (``reals`` may have been swapped out).
+    remember_real_storages(reads, storages, fakes)
     # The fakes swapped out die with these lists, and with them what only they
     # kept alive: draws into such tensors become temporaries of the record.
-    del pairs, reals, fakes, targets
+    replay.autograd = None
+    del pairs, reals, fakes, targets, binder
     hand_over_generators(replay.replay_streams, device)
+
+
+def _dressed(targets, reals, inference, binder) -> list:
+    """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
+    pairs = []
+    for (name, fake), real in zip(targets, reals):
+        made = binder.made_for(fake) if binder is not None else None
+        if made is not None:
+            if not same_memory(made, real):
+                # The fake's data was replaced after autograd read it (.data =).
+                with torch.no_grad():
+                    made.data = real
+            if made.requires_grad != fake.requires_grad:
+                made.requires_grad_(fake.requires_grad)
+        if not inference:
+            check_graph(name, fake, real, binder)
+        pairs.append((fake, dress(fake, real, inference, made)))
+    seen = {}
+    for (fake, obj), (name, _) in zip(pairs, targets):
+        other = seen.setdefault(id(obj), name)
+        if other is not name:
+            raise AutogradMaterializationError(
+                f"{other} and {name} are two tensor objects eagerly but came out of the replay as "
+                "one (two names for one value computed with autograd). Nothing was changed."
+            )
+    return pairs

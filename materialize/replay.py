@@ -7,7 +7,10 @@ Random nodes draw from the state their generator had eagerly, on private
 generators (:mod:`materialize.draws`); every state passed is cached on the
 record, so any order of requests costs at most one extra pass.
 
-Everything runs below autograd (``no_grad``, or ``inference_mode`` on request).
+Everything runs below autograd (``no_grad``, or ``inference_mode`` on request),
+except, when ``autograd=`` is given, the calls autograd recorded eagerly:
+those run with grad enabled on the leaf objects ``autograd`` hands out, so
+that tensors computed from parameters get eager's graph.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from deferinit.plan import Plan, real_read, read_of
 from fake.device import exists
 from fake.bypass import no_python_dispatch
 from fake.flat import flatten_output, unflatten
+from fake.opinfo import op_info
 from fake.tensor import describe
 
 from .draws import Draws
 
 __all__ = ["Replay", "read_of"]
+
+_alias = torch.ops.aten.alias.default
+_detach = torch.ops.aten.detach.default
 
 
 class Replay(Plan):
@@ -40,7 +47,7 @@ class Replay(Plan):
         (<class 'torch.Tensor'>, torch.Size([3, 2]))
     """
 
-    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=()):
+    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=(), autograd=None):
         if device is not None and torch.device(device).type == "meta":
             label = next((l for l in labels or () if l), "the tensors")
             raise ValueError(
@@ -48,6 +55,9 @@ class Replay(Plan):
                 "Keep it deferred (it already reports shape, dtype and device), or use fake.meta_like."
             )
         self.inference = inference
+        # autograd(leaf, tensor, input) -> the leaf object to compute on, for
+        # the inputs of nodes autograd recorded (see materialize/autograd.py).
+        self.autograd = autograd
         self.labels = labels or [None] * len(targets)
         self.progress = progress
         super().__init__(targets, device=device, extra=extra)
@@ -96,9 +106,9 @@ class Replay(Plan):
 
         env: dict = {}
         real_views: dict = {}
-        mode = torch.inference_mode() if self.inference else torch.no_grad()
         total = len(self.order)
-        with Draws(self.streams) as draws, no_python_dispatch(), mode, _default_dtype_guard() as dtype_guard:
+        self._uses = uses
+        with Draws(self.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
             for done, node in enumerate(self.order):
                 try:
                     self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard, draws)
@@ -114,6 +124,8 @@ class Replay(Plan):
                 if self.progress is not None:
                     self.progress(done + 1, total)
             results = [self._resolve(inp, env, real_views) for inp in self.targets]
+            for i in getattr(self.autograd, "views_again", ()):
+                results[i] = self._view_again(self.targets[i], env, real_views, results[i])
         return results
 
     def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
@@ -143,7 +155,7 @@ class Replay(Plan):
                 if node.reshapes and first_input:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
-                    t = torch.ops.aten.alias.default(t)
+                    t = self._alias(node, t, len(args))
                 first_input = False
                 args.append(t)
             elif isinstance(x, torch.device):
@@ -153,12 +165,64 @@ class Replay(Plan):
         a, k = unflatten(args, node.spec)
 
         dtype_guard.set(node.default_dtype)
-        out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+        if node.grad is not None and self.autograd is not None:
+            out = self._run_with_grad(node, args, draws)
+        else:
+            out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
+
+    def _alias(self, node: Node, t: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.autograd is None:
+            return _alias(t)
+        # Under autograd the tensor must be what it was eagerly: the very
+        # tensor when it has a graph or is a view (its grad_fn is kept, or
+        # regenerated from the view after the in-place op), else a tensor
+        # of its own.
+        plain = node.grad is not None and any(p == pos and leaf is None for p, leaf in node.grad)
+        key = node.flat[pos].value.key
+        alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
+        if alone and ((t.requires_grad and not plain) or (node.grad is not None and t._is_view())):
+            return t
+        return _detach(t) if node.grad is not None else _alias(t)
+
+    def _run_with_grad(self, node: Node, args: list, draws=None):
+        for pos, leaf in node.grad:
+            if leaf is None:
+                if args[pos].requires_grad:
+                    # What t.data gives: no graph, a version counter of its own.
+                    args[pos] = args[pos].data
+            else:
+                args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
+        a, k = unflatten(args, node.spec)
+        with torch.set_grad_enabled(not node.no_grad):
+            return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+
+    def _view_again(self, inp: Input, env, real_views, real: torch.Tensor) -> torch.Tensor:
+        """A target that is a view of memory already real, and belongs to an
+        autograd graph: its view node runs again on the real leaf objects."""
+        node = inp.value.node
+        if not real_read(inp) or node.kind != "op" or node.grad is None or node.rng is not None:
+            return real
+        if op_info(node.target).view_arg is None:
+            return real
+        args = []
+        for x in node.flat:
+            if type(x) is Input:
+                storage = x.value.storage
+                if storage is not None and storage.real is not None:
+                    # A view depends on the geometry, not on the version read.
+                    x = Input(x.value, storage.real_head)
+                elif x.value.key not in env:
+                    return real
+                x = self._resolve(x, env, real_views)
+            args.append(x)
+        out = self._run_with_grad(node, args)
+        outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
+        return outs[inp.value.index]
 
     def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
         value = inp.value
@@ -190,6 +254,18 @@ class Replay(Plan):
             f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "
             f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
         )
+
+
+@contextlib.contextmanager
+def _grad_mode(inference: bool):
+    """``inference_mode()``, or ``no_grad()`` outside any ambient inference mode:
+    tensors recorded as normal ones stay normal when materialized inside one."""
+    if inference:
+        with torch.inference_mode():
+            yield
+    else:
+        with torch.inference_mode(False), torch.no_grad():
+            yield
 
 
 class _DefaultDtype:

@@ -165,7 +165,7 @@ def _swap_in(computed, inference) -> None:
     for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
         if compacted:
             continue  # nothing else can read that storage (see _compact)
-        remember_real_storages(reads, group_storages, reals)
+        remember_real_storages(reads, group_storages, [fake for _, fake in group])
 
 
 def groups(module, targets) -> list[list]:

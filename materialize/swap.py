@@ -14,24 +14,69 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.errors import MaterializationError
+from deferinit.errors import AutogradMaterializationError, MaterializationError
 from fake.tensor import INTERNAL_ATTRS
 
+from .autograd import grad_fn_of, is_grad_view
 
-def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool) -> torch.Tensor:
-    """A new tensor object on ``real``'s memory that looks like ``fake`` did."""
+
+def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.Tensor | None = None) -> torch.Tensor:
+    """A new tensor object on ``real``'s memory that looks like ``fake`` did.
+
+    Eager's facts, as the fake holds them: an inference tensor (made under
+    ``torch.inference_mode()``, or asked for with ``inference=True``) comes
+    out as a true inference tensor (no version counter, read-only outside
+    inference mode) and keeps ``requires_grad`` when it is a leaf (an
+    ``nn.Parameter`` built in inference mode requires grad); a tensor that
+    is not a leaf keeps the graph replay gave it (``real`` itself); a leaf
+    is a new object, or ``made``, the one replay already computed on.
+    """
     d = fake.__dict__
-    requires_grad = fake.requires_grad and (real.is_floating_point() or real.is_complex())
-    if d.get("_is_param"):
-        cls = d.get("_param_cls") or torch.nn.Parameter
-        obj = torch.Tensor._make_subclass(cls, real, requires_grad and not inference)
+    floating = real.is_floating_point() or real.is_complex()
+    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else None
+    grad_fn = grad_fn_of(fake)
+    if inference or fake.is_inference():
+        # Eager construction under inference_mode() records no graph: what
+        # required grad as a leaf still does, the rest does not.
+        requires_grad = fake.requires_grad and grad_fn is None and not is_grad_view(fake) and floating
+        with torch.inference_mode():
+            if not real.is_inference():
+                # A new tensor allocated in inference mode is an inference
+                # tensor; on the same memory it costs nothing.
+                real = torch.empty(0, dtype=real.dtype, device=real.device).set_(
+                    real.untyped_storage(), real.storage_offset(), real.size(), real.stride()
+                )
+            obj = _leaf(cls, real, requires_grad)
+    elif made is not None:
+        obj = made
+    elif is_grad_view(fake) and not (real.requires_grad and real._is_view()):
+        # A view taken under no_grad that replay could not take again from
+        # its base: a leaf that requires grad, as before its base was known.
+        with torch.inference_mode(False):
+            obj = _leaf(cls, real, floating)
+    elif grad_fn is not None or is_grad_view(fake):
+        if not real.requires_grad:
+            raise AutogradMaterializationError(
+                f"a tensor computed from tensors that require grad ({type(grad_fn).__name__}) "
+                "came out of the replay without its autograd graph: materialize them in one "
+                "materialize_module call. Nothing was changed."
+            )
+        obj = real
     else:
-        obj = real.detach()
-        if requires_grad and not inference:
-            obj.requires_grad_(True)
+        with torch.inference_mode(False):
+            obj = _leaf(cls, real, fake.requires_grad and floating)
     for key, value in d.items():
         if key not in INTERNAL_ATTRS:
             obj.__dict__[key] = value
+    return obj
+
+
+def _leaf(cls, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    if cls is not None:
+        return torch.Tensor._make_subclass(cls, real, requires_grad)
+    obj = real.detach()
+    if requires_grad:
+        obj.requires_grad_(True)
     return obj
 
 

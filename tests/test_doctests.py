@@ -18,11 +18,13 @@ MODULES = [
     "deferinit.view",
     "deferinit.patches",
     "deferinit.plan",
+    "deferinit.holdings",
     "deferinit.text",
     "materialize.replay",
     "materialize.evaluate",
     "materialize",
     "materialize.api",
+    "materialize.autograd",
 ]
 
 

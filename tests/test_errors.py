@@ -19,6 +19,7 @@ import torch.nn as nn
 import deferinit
 import materialize.evaluate as evaluate
 from deferinit import (
+    AutogradMaterializationError,
     DataDependentError,
     DeferredInitError,
     DeviceUnavailableError,
@@ -45,11 +46,11 @@ def test_error_hierarchy():
         assert issubclass(cls, DeferredInitError)
     for cls in (MixedFakeError, InferenceTensorInputError, DataDependentError):
         assert issubclass(cls, RecordingError)
-    for cls in (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError):
+    for cls in (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError, AutogradMaterializationError):
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("DataDependentError", "DeferredInitError", "DeviceUnavailableError", "ExternalTensorMutatedError",
+    for name in ("AutogradMaterializationError", "DataDependentError", "DeferredInitError", "DeviceUnavailableError", "ExternalTensorMutatedError",
                  "InferenceTensorInputError", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
         assert getattr(deferinit, name).__module__ == "deferinit.errors"
 
