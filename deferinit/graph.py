@@ -49,8 +49,10 @@ class Node:
 
     ``kind`` is ``"op"`` (an ATen overload in ``target``), ``"constant"``
     (``payload`` holds the value, by copy), ``"external"`` (``payload`` holds
-    an outside tensor by reference and ``version`` its version counter) or
-    ``"opaque"`` (a Python initialiser re-run as a whole at replay).
+    an outside tensor by reference and ``version`` its version counter),
+    ``"opaque"`` (a Python initialiser re-run as a whole at replay) or
+    ``"load"`` (a write of the tensor read in ``flat[0]`` with the checkpoint
+    tensor in ``payload``; see :mod:`materialize.checkpoint`).
     ``flat``/``spec`` are the flattened ``(args, kwargs)`` with
     :class:`Input` in place of tensors.
     """
