@@ -101,7 +101,12 @@ class CheckpointFile:
             ) from None
         if _identity(st) == self.identity:
             return
-        entries = self.parse(CheckpointReadError)
+        try:
+            entries = self.parse(CheckpointReadError)
+        except CheckpointReadError as e:
+            raise CheckpointReadError(
+                f"{e} It changed since load_checkpoint read it. Nothing was changed; the tensors stay deferred."
+            ) from None
         for key, old in self.entries.items():
             new = entries.get(key)
             if new is None or _layout(new) != _layout(old):
