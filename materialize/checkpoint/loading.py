@@ -83,6 +83,13 @@ def prepare(pairs) -> list:
             if not isinstance(entry.source, DeferredValue):
                 entry = entry.box(start, sizes)
         deferred_source = isinstance(entry.source, DeferredValue)
+        geometry = target.__dict__.get("_shadow", target) if is_fake(target) else target
+        if torch._debug_has_internal_overlap(geometry) == 1:
+            # copy_ (and so load_state_dict) refuses to write such a tensor.
+            raise CheckpointError(
+                f"cannot load {key}: more than one of its elements refer to a single memory "
+                "location (an expanded tensor); load_state_dict refuses it too."
+            )
         if is_deferred_fake(target):
             try:
                 check_storage_not_real(target, "load_checkpoint")
