@@ -73,6 +73,9 @@ class CheckpointFile:
             raise CheckpointReadError(
                 f"cannot read {entry.describe()}: {e.strerror or e}. Nothing was changed; the tensors stay deferred."
             ) from None
+        if hasattr(os, "posix_fadvise"):
+            # Exactly the bytes asked for: no readahead into a shard another rank reads.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         try:
             def read(position: int, buffer: memoryview) -> None:
                 done = 0
