@@ -18,8 +18,9 @@ does) and a transformers Llama of similar size, each saved to one
 Each figure comes from its own fresh process (peak RSS is per process: the
 ``VmHWM`` of ``/proc/self/status``, which, unlike ``ru_maxrss``, does not
 inherit the parent's).  *load* is the time until the call returns, *+ use*
-adds a first pass over every weight (a sum), which is when accelerate reads
-its weights.  Warm: the file is in the page cache; cold: it was dropped
+adds a first pass over every weight (a sum), which is when accelerate and
+``from_pretrained`` read theirs (their weights are views of the file's
+memory map, so their pages then count in the process's RSS).  Warm: the file is in the page cache; cold: it was dropped
 from it first (``posix_fadvise(DONTNEED)``), and *read from disk* is the
 ``read_bytes`` of ``/proc/self/io`` over load and use (memory-mapped reads
 included).  Medians of ``--repeat`` runs.  Then a 2-rank FSDP2 run of the GPT
@@ -165,8 +166,8 @@ def child(model_name: str, arm: str, folder: str, quick: bool) -> dict:
     seconds = time.perf_counter() - start
     peak_load = status()["VmHWM"]
     start = time.perf_counter()
-    with torch.no_grad():
-        checksum = sum(float(p.double().sum()) for p in m.parameters())
+    with torch.no_grad():  # a first use of every weight, no copy of it
+        checksum = sum(float(p.sum()) for p in m.parameters())
     use = time.perf_counter() - start
     io1 = io()
     return {

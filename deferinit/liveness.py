@@ -34,6 +34,7 @@ analysed: their reads need their whole history, as before.
 
 Example::
 
+    >>> from deferinit.plan import Plan, read_of
     >>> m = deferred_init(torch.nn.Linear, 2, 3)
     >>> with torch.no_grad():
     ...     _ = m.weight.fill_(1.0)         # hides the uniform_ of reset_parameters
@@ -66,17 +67,16 @@ class Liveness:
 
     ``order`` lists the nodes to replay in recorded order; ``mode(node)``
     says how (``"run"``, ``"alloc"``, ``"generator"``, ``"direct"``);
-    ``reads(node)`` the inputs the replay resolves for it.  ``whole`` says,
-    per target, whether the whole storage must be right afterwards (it will
-    serve later reads of other views) or only the target's own bytes.
+    ``reads(node)`` the inputs the replay resolves for it.  A target's whole
+    storage is demanded, not only its own bytes: once real, the storage
+    serves later reads of its other views.
     """
 
-    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, whole=None):
+    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure):
         # The plan's real_read and closure (passed in: the plan imports this module).
         self._real_read = real_read
         self._full_closure = closure
         self.targets = targets
-        self.whole = list(whole) if whole is not None else [True] * len(targets)
         self.universe = universe
         self.streams = streams
         gen = self._settle(set())
@@ -192,9 +192,9 @@ class Liveness:
                     left.append((r, floor))
             pending[k] = left
 
-        for inp, whole in zip(self.targets, self.whole):
+        for inp in self.targets:
             region = None
-            if whole and not real_read(inp):
+            if not real_read(inp):
                 root = root_value(inp.value)
                 region = Region.of(root) if root is not None else Region.interval(0, _HUGE)
                 if region is not None and root is not None and root.offset != 0:

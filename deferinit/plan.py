@@ -115,18 +115,16 @@ class Plan:
         2
     """
 
-    def __init__(self, targets: list[Input], *, device=None, extra=(), eliminate: bool = True, whole=None):
+    def __init__(self, targets: list[Input], *, device=None, extra=(), eliminate: bool = True):
         self.targets = targets
         # Nodes replayed only for their effect on the generators.
         self.extra = list(extra)
         self.device_map = DeviceMap(device)
         self.streams: dict = {}
         self.order: list[Node] = []
-        # Dead-work elimination (deferinit/liveness.py); ``whole[i]``: whether
-        # all of target i's storage must be right afterwards (default), or
-        # only its own bytes (no other tensor can read the rest later).
+        # Dead-work elimination (deferinit/liveness.py); False plans the whole
+        # record as written (the graph views show it so).
         self.eliminate = eliminate
-        self.whole = whole
         self.liveness: Liveness | None = None
         self._plan()
 
@@ -160,7 +158,7 @@ class Plan:
         # -- dead-work elimination: of everything the reads could need, what
         # their values and the live draws' generator states really depend on.
         self.liveness = Liveness(
-            self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure, whole=self.whole
+            self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure
         )
         self.order = self.liveness.order
 

@@ -23,7 +23,16 @@ from deferinit.errors import CheckpointError, CheckpointMismatchError
 
 
 class LoadResult(NamedTuple):
-    """What ``load_checkpoint`` returns, like ``load_state_dict``'s ``_IncompatibleKeys``."""
+    """What ``load_checkpoint`` returns, like ``load_state_dict``'s ``_IncompatibleKeys``:
+    the module's keys the checkpoint lacks, and the checkpoint's keys the module lacks.
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 3)
+        >>> missing, unexpected = load_checkpoint(m, {"bias": torch.zeros(3), "scale": torch.ones(1)}, strict=False)
+        >>> missing, unexpected
+        (['weight'], ['scale'])
+    """
 
     missing_keys: list
     unexpected_keys: list
