@@ -67,6 +67,9 @@ class Node:
     # Weak reference to the storage a random node writes or makes: a draw
     # whose storage nobody holds any more was a temporary.
     rng_target = None
+    # True for a draw whose values only checkpoint loads overwrite (set by
+    # the liveness pass): the generators do not wait for it.
+    hidden_by_load = False
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False

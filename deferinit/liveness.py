@@ -23,10 +23,11 @@ requested) at that point of the record:
 
 Random draws whose results are dead still move the generator: a later live
 draw of the same stream may need the state they leave.  Those draws (and
-only those) are replayed **for the generator**: in-place fills draw into
-scratch memory of the same geometry, freed at once.  Draws nothing needs
-are not replayed at all; the generator is then left where it is unless its
-final state is known (see :mod:`materialize.generators`).
+only those, with the ``extra`` draws a caller asks for to learn a stream's
+end) are replayed **for the generator**: in-place fills draw into scratch
+memory of the same geometry, freed at once.  Dead draws that a checkpoint
+load hides are marked ``hidden_by_load``: :mod:`materialize.generators` does
+not replay them to reach the end of a stream.
 
 Values whose storage is gone (temporaries nobody holds any more) and
 storages whose geometry changed in place (``t_()``, ``set_()``) are not
@@ -79,25 +80,16 @@ class Liveness:
         self.targets = targets
         self.universe = universe
         self.streams = streams
-        gen = self._settle(set())
-        # ``extra``: draws whose state the caller wants known (the ends of the
-        # streams, to leave the generators where eager construction leaves
-        # them).  Reaching one may take draws a checkpoint load hides; those
-        # are not worth their cost (they are the initialisation the load
-        # replaces), so such an end is given up and its generator left alone.
-        self.kept_extra = []
-        if extra:
-            hidden = self._hidden_by_loads()
-            for node in extra:
-                stream = node.rng[0]() if node.rng is not None else None
-                rs = self.streams.get(id(stream)) if stream is not None else None
-                if rs is None:
-                    continue
-                path = [node, *rs.needs(rs.index[id(node)])]
-                if not any(id(n) in hidden and not self._draws(n) for n in path):
-                    self.kept_extra.append(node)
-            if self.kept_extra:
-                self._settle(gen | {id(n) for n in self.kept_extra})
+        # ``extra``: draws replayed only for the state they leave (the ends of
+        # streams, see materialize/generators.py).
+        self._settle({id(n) for n in extra})
+        if any(n.kind == "load" for n in universe.values()):
+            # What the checkpoint loads hide: the generators do not wait for
+            # those draws (they are the initialization a load replaces).
+            for nid in self._hidden_by_loads():
+                node = universe[nid]
+                if node.rng is not None:
+                    node.hidden_by_load = True
 
     def _settle(self, gen: set) -> set:
         """Scan until every draw a drawing node needs is drawn; returns the draws
@@ -108,9 +100,6 @@ class Liveness:
             if new <= gen:
                 return gen
             gen = gen | new
-
-    def _draws(self, node) -> bool:
-        return id(node) in self.live and self.modes.get(id(node)) != ALLOC
 
     def _hidden_by_loads(self) -> set:
         """The nodes that are dead only because checkpoint loads overwrite their

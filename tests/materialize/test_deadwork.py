@@ -76,6 +76,9 @@ def _data(self):
     p.data.mul_(3)
     p.data = torch.ones(N, N)
     self.register_parameter("p", p)
+    # A later draw needs the state the discarded one leaves.  (Without it no
+    # tensor read draws from the stream, and no replay meets it.)
+    self.register_buffer("b", torch.rand(3))
 
 
 def _reset_then_init(self):
