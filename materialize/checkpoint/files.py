@@ -45,7 +45,12 @@ def _identity(st) -> tuple:
 
 
 class CheckpointFile:
-    """A checkpoint file, its header parsed: ``entries`` maps keys to :class:`Entry`."""
+    """A checkpoint file: its path, identity, and the layout of each tensor in it.
+
+    Open one with :meth:`open`, which returns its :class:`Entry` objects; the
+    file keeps only their layouts (entries point to their file, never the
+    reverse: the record that holds entries frees them by reference counting).
+    """
 
     kind = "checkpoint"
 
@@ -56,7 +61,15 @@ class CheckpointFile:
         except OSError as e:
             raise CheckpointError(f"cannot open the checkpoint {self.path}: {e.strerror or e}") from None
         self.identity = _identity(st)
-        self.entries = self.parse(CheckpointError)
+        self.layouts: dict = {}
+
+    @classmethod
+    def open(cls, path: str) -> dict:
+        """``key -> Entry`` of the file at ``path`` (its header read and checked)."""
+        file = cls(path)
+        entries = file.parse(CheckpointError)
+        file.layouts = {key: _layout(e) for key, e in entries.items()}
+        return entries
 
     def parse(self, error) -> dict:
         raise NotImplementedError
@@ -110,13 +123,13 @@ class CheckpointFile:
             raise CheckpointReadError(
                 f"{e} It changed since load_checkpoint read it. Nothing was changed; the tensors stay deferred."
             ) from None
-        for key, old in self.entries.items():
+        for key, old in self.layouts.items():
             new = entries.get(key)
-            if new is None or _layout(new) != _layout(old):
+            if new is None or _layout(new) != old:
                 now = "no such tensor" if new is None else f"{list(new.shape)} {new.dtype}"
                 raise CheckpointReadError(
                     f"{self.path} changed since load_checkpoint read it: {key!r} was "
-                    f"{list(old.shape)} {old.dtype}, now {now} (or at another position). "
+                    f"{list(old[1])} {old[0]}, now {now} (or at another position). "
                     "Call load_checkpoint again. Nothing was changed; the tensors stay deferred."
                 )
         self.identity = _identity(st)

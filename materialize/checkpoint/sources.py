@@ -61,18 +61,19 @@ def open_source(source) -> tuple[dict, str]:
         return _directory(path), path
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.")
-    return open_file(path).entries, os.path.abspath(path)
+    return open_file(path), os.path.abspath(path)
 
 
-def open_file(path: str):
-    """The file at ``path`` as a :class:`SafetensorsFile`, a :class:`TorchFile`, or
-    (a legacy ``torch.save`` archive) a state dict read at once."""
+def open_file(path: str) -> dict:
+    """``key -> Entry`` of the file at ``path``: a safetensors file, a
+    ``torch.save`` zip archive, or (a legacy ``torch.save`` archive) a state
+    dict read at once."""
     if path.endswith(".safetensors"):
-        return SafetensorsFile(path)
+        return SafetensorsFile.open(path)
     if is_torch_zip(path):
-        return TorchFile(path)
+        return TorchFile.open(path)
     try:
-        return SafetensorsFile(path)
+        return SafetensorsFile.open(path)
     except CheckpointError:
         pass
     try:
@@ -82,12 +83,7 @@ def open_file(path: str):
             f"{os.path.abspath(path)} is neither a safetensors file nor a torch.save file "
             f"(torch.load(weights_only=True) says {type(e).__name__}: {e})."
         ) from None
-    return _Loaded(_state_dict(dict(flatten_tensors(obj))))
-
-
-class _Loaded:
-    def __init__(self, entries):
-        self.entries = entries
+    return _state_dict(dict(flatten_tensors(obj)))
 
 
 def _state_dict(sd: Mapping) -> dict:
@@ -125,7 +121,7 @@ def _directory(path: str) -> dict:
             file = files.get(name)
             if file is None:
                 file = files[name] = open_file(os.path.join(path, name))
-            entry = file.entries.get(key)
+            entry = file.get(key)
             if entry is None:
                 raise CheckpointError(f"{index} puts {key!r} in {name}, which has no such tensor.")
             entries[key] = entry
@@ -136,7 +132,7 @@ def _directory(path: str) -> dict:
     if not names:
         raise CheckpointError(f"{os.path.abspath(path)} holds no *.safetensors, *.bin, *.pt or *.pth file.")
     for name in names:
-        for key, entry in open_file(name).entries.items():
+        for key, entry in open_file(name).items():
             if key in entries:
                 raise CheckpointError(
                     f"{key!r} is in both {entries[key].source.describe()} and {name}; pass one file, "
