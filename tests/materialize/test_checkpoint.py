@@ -379,3 +379,16 @@ def test_safetensors_file_read_back_equals_load_file(tmp_path):
     expected = load_file(tmp_path / "t.safetensors")
     for k, v in m.state_dict().items():
         assert v.dtype == expected[k].dtype and torch.equal(v, expected[k]), k
+
+
+def test_the_record_shows_loads():
+    """graph_of prints the load after the initialization it hides; to_dot labels it."""
+    from deferinit import to_dot
+
+    m = deferred_init(nn.Linear, 3, 2)
+    load_checkpoint(m, {"weight": torch.ones(2, 3)}, strict=False)
+    lines = str(graph_of(m)).splitlines()
+    assert lines[-1] == "%4 = load(%2, 'weight' of the state dict [2, 3] float32)  # weight"
+    assert lines[2].startswith("%2 = aten.uniform_(%0")
+    label = next(line for line in to_dot(m).source.splitlines() if "load" in line)
+    assert "'weight'" in label and "[2, 3] float32" in label
