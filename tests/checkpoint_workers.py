@@ -137,3 +137,31 @@ def case_partial_fsdp2(rank: int, world_size: int, path: str) -> dict:
         if not torch.equal(p.full_tensor(), reference[name].detach()):
             raise AssertionError(f"{name} differs from eager + load_state_dict(strict=False)")
     return {"missing": result.missing_keys}
+
+
+def case_fsdp1(rank: int, world_size: int, path: str) -> dict:
+    """FSDP1 materializes each unit's full tensors before flattening them
+    (param_init_fn): loaded before wrapping, the full state dict equals the
+    checkpoint; each rank reads the whole file (FSDP1 shards real tensors)."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from materialize.distributed import fsdp1_hooks, param_init_fn
+
+    torch.manual_seed(0)
+    model = deferred_init(Wide)
+    load_checkpoint(model, path)
+    before = rchar()
+    with fsdp1_hooks():
+        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), param_init_fn=param_init_fn,
+                       device_id=torch.device("cpu"))
+    read = rchar() - before
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        state = wrapped.state_dict()
+    expected = load_file(path)
+    for key, value in expected.items():
+        if not torch.equal(state[key], value):
+            raise AssertionError(f"{key} differs from the checkpoint")
+    return {"read": read}

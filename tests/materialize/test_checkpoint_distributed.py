@@ -59,3 +59,9 @@ def test_fsdp2_missing_keys_keep_their_initialization(tmp_path):
     save_file(sd, path)
     results = run_ranks(workers.case_partial_fsdp2, 2, path, timeout=240)
     assert results[0]["missing"] == ["layers.2.weight", "layers.2.bias", "norm.weight", "norm.bias"]
+
+
+def test_fsdp1_loaded_before_wrapping(tmp_path):
+    path, size = _checkpoint(workers.Wide, str(tmp_path))
+    results = run_ranks(workers.case_fsdp1, 2, path, timeout=240)
+    assert all(r["read"] >= size * 0.98 for r in results)  # full tensors, then FSDP1 shards them
