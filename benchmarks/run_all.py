@@ -20,6 +20,7 @@ DOCS = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 BENCHMARKS = [
     ("Deferring a 70B model", "defer_70b", "Construction time and memory of a Llama-3-70B-shaped model: meta device, deferred_init, FakeTensorMode."),
     ("Materializing against eager construction", "materialize_speed", "Time and peak RSS of deferred_init + materialize_module against eager construction, each in a fresh process."),
+    ("Loading a checkpoint", "checkpoint", "A safetensors checkpoint into the 185M GPT and a transformers Llama: eager, meta + to_empty, accelerate, deferred_init + load_checkpoint (and from_pretrained); then 2 FSDP2 ranks, each reading its own rows."),
     ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
     ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),
 ]

@@ -23,6 +23,9 @@ The same as a block::
 
 from .errors import (
     AutogradMaterializationError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointReadError,
     DataDependentError,
     DeferredInitError,
     DeviceUnavailableError,
@@ -55,6 +58,9 @@ __all__ = [
     "MixedFakeError",
     "RecordingError",
     "ReplayError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointReadError",
 ]
 
 

@@ -47,3 +47,18 @@ class ReplayError(MaterializationError):
 
 class AutogradMaterializationError(MaterializationError):
     """A tensor computed with autograd cannot get eager's autograd graph."""
+
+
+class CheckpointError(DeferredInitError):
+    """``load_checkpoint`` cannot use its source: a missing or unreadable file, a
+    corrupt header, a format it does not know.  Nothing was recorded or loaded."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint does not fit the module: shapes differ, or (with
+    ``strict=True``) keys are missing or unexpected.  Nothing was recorded or loaded."""
+
+
+class CheckpointReadError(MaterializationError):
+    """A checkpoint recorded by ``load_checkpoint`` could not be read while
+    materializing (the file is gone, truncated or changed); nothing was changed."""

@@ -49,8 +49,10 @@ class Node:
 
     ``kind`` is ``"op"`` (an ATen overload in ``target``), ``"constant"``
     (``payload`` holds the value, by copy), ``"external"`` (``payload`` holds
-    an outside tensor by reference and ``version`` its version counter) or
-    ``"opaque"`` (a Python initialiser re-run as a whole at replay).
+    an outside tensor by reference and ``version`` its version counter),
+    ``"opaque"`` (a Python initialiser re-run as a whole at replay) or
+    ``"load"`` (a write of the tensor read in ``flat[0]`` with the checkpoint
+    tensor in ``payload``; see :mod:`materialize.checkpoint`).
     ``flat``/``spec`` are the flattened ``(args, kwargs)`` with
     :class:`Input` in place of tensors.
     """
@@ -65,6 +67,9 @@ class Node:
     # Weak reference to the storage a random node writes or makes: a draw
     # whose storage nobody holds any more was a temporary.
     rng_target = None
+    # True for a draw whose values only checkpoint loads overwrite (set by
+    # the liveness pass): the generators do not wait for it.
+    hidden_by_load = False
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False

@@ -12,12 +12,19 @@ Shared by the interpreter (:mod:`materialize.replay`), the printed graph
   earlier state and it are planned too (their results are thrown away).
 * **Devices.**  A :class:`DeviceMap` maps every recorded device to another
   one; draws recorded for several devices then come from one generator.
+* **Dead work.**  Of all that, :mod:`deferinit.liveness` keeps what the
+  values read and the generator states of the live draws depend on: writes
+  that later writes hide are dropped, tensors whose contents are all
+  overwritten are only allocated, and draws needed only for the state they
+  leave run into scratch memory.
 
-Example::
+Example (the bias needs the weight's draw only for the generator state it
+leaves, so the weight itself is never allocated)::
 
     >>> m = deferred_init(torch.nn.Linear, 2, 3)
-    >>> [str(n.target) for n in Plan([read_of(m.bias)]).order]
-    ['aten.empty.memory_format', 'aten.empty.memory_format', 'aten.uniform_.default', 'aten.uniform_.default']
+    >>> plan = Plan([read_of(m.bias)])
+    >>> [(str(n.target), plan.mode(n)) for n in plan.order]
+    [('aten.empty.memory_format', 'alloc'), ('aten.uniform_.default', 'generator'), ('aten.uniform_.default', 'run')]
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from fake.device import normalize
 
 from .errors import ReplayError
 from .graph import Input, Node, version_seq
+from .liveness import RUN, Liveness
 from .rng import Stream
 from .streams import ReplayStream, replay_streams
 
@@ -107,13 +115,17 @@ class Plan:
         2
     """
 
-    def __init__(self, targets: list[Input], *, device=None, extra=()):
+    def __init__(self, targets: list[Input], *, device=None, extra=(), eliminate: bool = True):
         self.targets = targets
         # Nodes replayed only for their effect on the generators.
         self.extra = list(extra)
         self.device_map = DeviceMap(device)
         self.streams: dict = {}
         self.order: list[Node] = []
+        # Dead-work elimination (deferinit/liveness.py); False plans the whole
+        # record as written (the graph views show it so).
+        self.eliminate = eliminate
+        self.liveness: Liveness | None = None
         self._plan()
 
     def _plan(self) -> None:
@@ -140,7 +152,25 @@ class Plan:
             if len(needed) == before:
                 break
 
-        self.order = sorted(needed.values(), key=lambda n: n.seq)
+        if not self.eliminate:
+            self.order = sorted(needed.values(), key=lambda n: n.seq)
+            return
+        # -- dead-work elimination: of everything the reads could need, what
+        # their values and the live draws' generator states really depend on.
+        self.liveness = Liveness(
+            self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure
+        )
+        self.order = self.liveness.order
+
+    def mode(self, node: Node) -> str:
+        """How the replay runs ``node``: ``"run"``, or see :mod:`deferinit.liveness`."""
+        return self.liveness.mode(node) if self.liveness is not None else RUN
+
+    def reads(self, node: Node) -> list[Input]:
+        """The inputs the replay resolves for ``node``."""
+        if self.liveness is not None:
+            return self.liveness.reads(node)
+        return [x for x in node.flat if type(x) is Input]
 
     @property
     def replay_streams(self) -> list[ReplayStream]:

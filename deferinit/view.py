@@ -73,7 +73,8 @@ class Graph:
     def __init__(self, targets: list[tuple[str, torch.Tensor]], *, base: int | None = None):
         reads = [read_of(f) for _, f in targets]
         self.targets = targets
-        self.nodes: list[Node] = Plan(reads).order if reads else []
+        # The record as written: overwritten work included (eliminate=False).
+        self.nodes: list[Node] = Plan(reads, eliminate=False).order if reads else []
         self.labels: dict[int, list[str]] = {}
         for (name, fake), read in zip(targets, reads):
             for node in _history(read):
@@ -110,6 +111,8 @@ class Graph:
             call = f"constant({tensor_text(node.payload)}, device={node.target})"
         elif node.kind == "external":
             call = f"external({tensor_text(node.payload)}, version={node.version})"
+        elif node.kind == "load":
+            call = f"load({shown[0]}, {node.payload})"
         else:
             args, kwargs = unflatten(
                 [s if isinstance(s, _Literal) else _Literal(s) for s in shown], node.spec

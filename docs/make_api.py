@@ -20,7 +20,7 @@ if ROOT not in sys.path:
 PUBLIC = [
     ("deferinit", ["deferred_init", "deferred", "is_deferred", "graph_of", "to_dot"]),
     ("deferinit.view", ["Graph"]),
-    ("materialize", ["materialize_module", "materialize_tensor"]),
+    ("materialize", ["materialize_module", "materialize_tensor", "load_checkpoint", "LoadResult"]),
     ("fake", ["fake_mode", "is_fake", "meta_like", "FakeTensor"]),
     (
         "deferinit",
@@ -34,6 +34,9 @@ PUBLIC = [
             "ExternalTensorMutatedError",
             "DeviceUnavailableError",
             "ReplayError",
+            "CheckpointError",
+            "CheckpointMismatchError",
+            "CheckpointReadError",
         ],
     ),
     ("fake", ["FakeTensorError", "FakeDataAccessError", "FakeIntoRealError", "UnsupportedOperatorError"]),

@@ -12,5 +12,6 @@ Example::
 """
 
 from .api import materialize_module, materialize_tensor
+from .checkpoint import LoadResult, load_checkpoint
 
-__all__ = ["materialize_module", "materialize_tensor"]
+__all__ = ["materialize_module", "materialize_tensor", "load_checkpoint", "LoadResult"]

@@ -6,11 +6,13 @@ state a stream ended in, that stream's generator is moved there, provided
 nothing moved it since deferral: it still holds the state recording left it
 in, or the state the record it continues ended in.  A stream's end is known
 when its last draw was replayed, or when every draw after the last one
-replayed is a *temporary* (what it drew is held by no tensor any more: a
-random temporary of the constructor, a value replaced by ``.data =``);
-those few are then replayed into scratch memory.  Draws into tensors still
-deferred, or whose values were overwritten in place, are not replayed for
-this: the generator then waits.  With ``device=``, the generator of the
+replayed is *dead*: a temporary (what it drew is held by no tensor any
+more: a random temporary of the constructor, a value replaced by ``.data =``)
+or a draw into a tensor already materialized whose values later writes
+overwrote (dead-work elimination skipped it); those are then replayed into
+scratch memory.  Draws into tensors still deferred, or whose values a
+checkpoint load overwrote, are not replayed for this: the generator then
+waits.  With ``device=``, the generator of the
 target device is the one eager construction there would have advanced.
 """
 
@@ -60,13 +62,24 @@ def _finish(rs, device):
     while k > 0 and rs.state_before(k) is None:
         k -= 1
     tail = rs.nodes[k:]
-    if not tail or not all(n.rng_target is not None and n.rng_target() is None for n in tail):
+    if not tail or not all(_dead(n) for n in tail):
         return None
     try:
         Replay([], device=device, extra=tail, labels=["random temporaries"]).run()
     except MaterializationError:
         return None  # the tensors are real and right; the generator just waits
     return rs.end_state()
+
+
+def _dead(node) -> bool:
+    """Whether ``node`` drew values nothing will read: a temporary, or a draw into
+    a tensor already materialized whose values later writes overwrote (replay
+    skipped it), but not one a checkpoint load overwrote (that is the
+    initialization the load replaces: the generator waits instead)."""
+    if node.rng_target is None or node.hidden_by_load:
+        return False
+    storage = node.rng_target()
+    return storage is None or storage.real is not None
 
 
 def _in_order(streams) -> list:

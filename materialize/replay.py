@@ -19,8 +19,9 @@ import contextlib
 
 import torch
 
-from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError, ReplayError
+from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError, MaterializationError, ReplayError
 from deferinit.graph import Input, Node
+from deferinit.liveness import RUN
 from deferinit.plan import Plan, real_read, read_of
 from fake.device import exists
 from fake.bypass import no_python_dispatch
@@ -29,6 +30,7 @@ from fake.opinfo import op_info
 from fake.tensor import describe
 
 from .draws import Draws
+from .modes import check_sources, run_marked, scratch_for
 
 __all__ = ["Replay", "read_of"]
 
@@ -90,11 +92,12 @@ class Replay(Plan):
 
     def run(self) -> list[torch.Tensor]:
         """Execute the plan; returns one real tensor per target read."""
+        check_sources(self)
         uses: dict = {}
         wanted: dict[int, set] = {}
         for node in self.order:
-            for x in node.flat:
-                if type(x) is Input and not real_read(x):
+            for x in self.reads(node):
+                if not real_read(x):
                     key = x.value.key
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
@@ -114,8 +117,8 @@ class Replay(Plan):
                     self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard, draws)
                 except Exception as e:
                     raise self._failure(node, e) from e
-                for x in node.flat:
-                    if type(x) is Input and not real_read(x):
+                for x in self.reads(node):
+                    if not real_read(x):
                         key = x.value.key
                         left = uses[key] - 1
                         uses[key] = left
@@ -129,6 +132,11 @@ class Replay(Plan):
         return results
 
     def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
+        mode = self.mode(node)
+        if (mode != RUN or node.kind == "load") and run_marked(self, node, mode, env, real_views, wanted):
+            return
+        # Draws replayed only for the generator write into scratch memory.
+        scratch = self.liveness.scratch.get(id(node), ()) if self.liveness is not None else ()
         kind = node.kind
         if kind == "external":
             t = node.payload
@@ -149,9 +157,9 @@ class Replay(Plan):
         device_map = self.device_map
         args = []
         first_input = True
-        for x in node.flat:
+        for i, x in enumerate(node.flat):
             if type(x) is Input:
-                t = self._resolve(x, env, real_views)
+                t = scratch_for(x, device_map) if i in scratch else self._resolve(x, env, real_views)
                 if node.reshapes and first_input:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
@@ -248,7 +256,7 @@ class Replay(Plan):
         what = ", ".join(labels[:3]) + (f" and {len(labels) - 3} more" if len(labels) > 3 else "")
         if isinstance(e, ExternalTensorMutatedError) and what:
             e.add_note(f"(while materializing {what}; nothing was changed, the tensors stay deferred)")
-        if isinstance(e, (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError)):
+        if isinstance(e, MaterializationError):
             return e
         return ReplayError(
             f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "

@@ -24,7 +24,6 @@ import sys
 
 import torch
 
-from deferinit.graph import Input
 from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 
@@ -133,7 +132,6 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
         for group in units:
             reads = [read_of(f) for _, f in group]
             replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
-            _skip_hidden_fills(replay)
             if shown is not None:
                 replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
             reals = replay.run()
@@ -198,64 +196,6 @@ def _first_draw(nodes) -> int:
     replaying groups in this order replays every draw once."""
     draws = [node.seq for node in nodes if node.rng is not None]
     return min(draws) if draws else -1
-
-
-_aten = torch.ops.aten
-# In-place fills that write every element of their tensor without reading it.
-_FILLS = frozenset({
-    _aten.uniform_.default, _aten.normal_.default, _aten.fill_.Scalar, _aten.zero_.default,
-    _aten.bernoulli_.float, _aten.exponential_.default, _aten.log_normal_.default,
-    _aten.cauchy_.default, _aten.geometric_.default,
-})
-
-
-def _skip_hidden_fills(replay) -> int:
-    """Drop from a replay's plan the fills that a later fill of the same tensor hides.
-
-    A constructor draws a parameter (``reset_parameters``) and a model-level
-    initialiser draws it again (transformers' ``_init_weights``).  Replaying
-    one parameter at a time, the first draw of each is computed once while
-    replaying an earlier parameter (to reach the generator state of the
-    second draws) and would be computed again for its own parameter, whose
-    value it cannot change.  A fill is skipped when the next write to its
-    tensor is a fill of exactly the same elements, nothing reads the tensor
-    in between, and the generator state after it is already known.  Returns
-    how many were skipped (0 whenever the plan does not look as expected).
-    """
-    try:
-        order = replay.order
-        readers: dict = {}
-        for node in order:
-            for x in node.flat:
-                if type(x) is Input and x.version is not None:
-                    readers[id(x.version)] = readers.get(id(x.version), 0) + 1
-        for read in replay.targets:
-            if read.version is not None:
-                readers[id(read.version)] = readers.get(id(read.version), 0) + 1
-        planned = {id(n) for n in order}
-        hidden = set()
-        for node in order:
-            if node.kind != "op" or node.target not in _FILLS or node.writes != (0,):
-                continue
-            read = node.flat[0]
-            earlier = read.version if type(read) is Input else None
-            if earlier is None or id(earlier) not in planned or readers.get(id(earlier)) != 1:
-                continue
-            if earlier.kind != "op" or earlier.target not in _FILLS or earlier.writes != (0,):
-                continue
-            a, b = earlier.flat[0].value, read.value
-            if (a.size, a.stride, a.offset, a.dtype) != (b.size, b.stride, b.offset, b.dtype):
-                continue
-            if earlier.rng is not None:
-                stream = replay.streams[id(earlier.rng[0]())]
-                if stream.index[id(earlier)] not in stream.post:
-                    continue
-            hidden.add(id(earlier))
-        if hidden:
-            replay.order = [n for n in order if id(n) not in hidden]
-        return len(hidden)
-    except (AttributeError, KeyError, TypeError, IndexError):
-        return 0
 
 
 def extent_bytes(t: torch.Tensor) -> tuple[int, int]:

@@ -19,19 +19,29 @@ MODULES = [
     "deferinit.patches",
     "deferinit.plan",
     "deferinit.holdings",
+    "deferinit.regions",
+    "deferinit.effects",
+    "deferinit.liveness",
     "deferinit.text",
     "materialize.replay",
     "materialize.evaluate",
     "materialize",
     "materialize.api",
     "materialize.autograd",
+    "materialize.checkpoint",
+    "materialize.checkpoint.api",
+    "materialize.checkpoint.copying",
+    "materialize.checkpoint.entries",
+    "materialize.checkpoint.loading",
+    "materialize.checkpoint.matching",
+    "materialize.checkpoint.sources",
 ]
 
 
 def _globals(module):
     from deferinit import deferred_init, graph_of, is_deferred
     from fake import FakeTensor, fake_mode, is_fake, meta_like
-    from materialize import materialize_module, materialize_tensor
+    from materialize import load_checkpoint, materialize_module, materialize_tensor
 
     names = dict(vars(module))
     names.update(
@@ -41,6 +51,7 @@ def _globals(module):
         graph_of=graph_of,
         materialize_module=materialize_module,
         materialize_tensor=materialize_tensor,
+        load_checkpoint=load_checkpoint,
         fake_mode=fake_mode,
         is_fake=is_fake,
         meta_like=meta_like,

@@ -50,7 +50,8 @@ def test_error_hierarchy():
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("AutogradMaterializationError", "DataDependentError", "DeferredInitError", "DeviceUnavailableError", "ExternalTensorMutatedError",
+    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError",
+                 "DataDependentError", "DeferredInitError", "DeviceUnavailableError", "ExternalTensorMutatedError",
                  "InferenceTensorInputError", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
         assert getattr(deferinit, name).__module__ == "deferinit.errors"
 

@@ -8,6 +8,12 @@ drawn from a grammar of factories, views, in-place ops, ``.data`` reads and
 writes, dtype casts, functional ops, ``nn.init`` functions, seeds and
 ``.item()`` reads, small enough to run in microseconds.
 
+Overwriting writes (``copy_``, ``fill_``, ``zero_``, ``t[...] = v``, ``.data =``)
+are drawn often, so that dead-work elimination (replay skips what later
+writes hide) is checked against eager too; and a module may be loaded from a
+state dict of some of its keys (``load_checkpoint`` against eager
+``load_state_dict``) before it is materialized.
+
 Programs are valid by construction: while Hypothesis draws a program, every
 line is run eagerly on real tensors (from the program's seed), and a line
 that raises is left out, so later lines are drawn knowing the real shapes,
@@ -43,10 +49,10 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, note, reject, settings
 from hypothesis import strategies as st
 
-from deferinit import AutogradMaterializationError, RecordingError, deferred_init, is_deferred
+from deferinit import AutogradMaterializationError, CheckpointError, RecordingError, deferred_init, is_deferred
 from fake import is_fake
 from helpers import named_tensors
-from materialize import materialize_module, materialize_tensor
+from materialize import load_checkpoint, materialize_module, materialize_tensor
 
 # Programs legitimately trigger PyTorch's warnings (zero-element init, deprecated
 # fills of expanded tensors, x.T on 1-D tensors).
@@ -696,6 +702,38 @@ def gen_data_write(draw, pool):
     return f"{dst}.data = {fresh}({shape}, dtype={_dt(t.dtype)})"
 
 
+def gen_overwrite(draw, pool):
+    """A write over all of a tensor (or of a view of it) that hides earlier writes."""
+    dst = pool.pick(draw)
+    if dst is None:
+        return None
+    t = pool[dst]
+    target = f"{dst}.data" if draw(st.booleans()) else dst
+    kind = draw(st.sampled_from(["copy_", "fill_", "zero_", "setitem", "data", "part"]))
+    operands = [t]
+    if kind == "copy_":
+        src = pool.pick(draw, lambda u: _broadcast_to(u.shape, t.shape), outside=True)
+        if src is None:
+            return None
+        operands.append(pool[src])
+        line = f"{target}.copy_({src})"
+    elif kind == "fill_":
+        line = f"{target}.fill_({_value_for(draw, t.dtype)})"
+    elif kind == "zero_":
+        line = f"{target}.zero_()"
+    elif kind == "setitem":
+        line = f"{target}[...] = {_value_for(draw, t.dtype)}"
+    elif kind == "data":
+        src = pool.pick(draw, lambda u: u.dtype == t.dtype and u.shape == t.shape)
+        return f"{dst}.data = {src}" if src is not None else None
+    else:  # a part: the first rows, or every other element of a flat view
+        if t.dim() == 0 or t.shape[0] == 0:
+            return None
+        part = draw(st.sampled_from([f"[:{draw(st.integers(1, t.shape[0]))}]", ".view(-1)[::2]" if t.is_contiguous() else "[:1]"]))
+        line = f"{target}{part}.fill_({_value_for(draw, t.dtype)})"
+    return line if target.endswith(".data") else _no_grad(line, *operands)
+
+
 def gen_rng(draw, pool):
     kind = draw(st.sampled_from([
         "manual_seed", "generator", "default_dtype", "fork_rng", "fork_by_hand", "state_round_trip",
@@ -740,6 +778,7 @@ GENERATORS = [
     (gen_functional, 4),
     (gen_param, 2),
     (gen_data_write, 1),
+    (gen_overwrite, 3),
     (gen_rng, 1),
 ]
 _WEIGHTED = [g for g, w in GENERATORS for _ in range(w)]
@@ -966,7 +1005,14 @@ def build_deferred(program: Program):
     return deferred_init(ProgramModule, program, program.make_outside(deferred=True))
 
 
-def run_program(program: Program, mode="module", order=None, split=0, before_post=0) -> None:
+def load_values(eager: nn.Module, keys, seed: int = 0) -> dict:
+    """A state dict for ``keys`` of ``eager``'s, with values unlike the program's."""
+    g = torch.Generator().manual_seed(seed)
+    sd = eager.state_dict()
+    return {k: (torch.rand(sd[k].shape, generator=g, dtype=torch.float64) * 10 - 5).to(sd[k].dtype) for k in keys}
+
+
+def run_program(program: Program, mode="module", order=None, split=0, before_post=0, load=None) -> None:
     """Build eagerly and deferred, materialize as told, compare.
 
     ``mode``: "module" (materialize_module, then the generator must be where
@@ -975,9 +1021,17 @@ def run_program(program: Program, mode="module", order=None, split=0, before_pos
     module).  The post lines run after the first ``before_post`` tensors of
     ``order`` are materialized (0 when they draw random numbers: a real
     tensor draws from the generator as it is then, which deferral did not
-    advance).
+    advance).  ``load``: keys of a state dict (:func:`load_values`) loaded
+    after the post lines, with ``load_state_dict(strict=False)`` eagerly and
+    ``load_checkpoint(strict=False)`` deferred ("module" and "tensors" modes;
+    no tensor is materialized before it).
     """
     eager, eager_next = build_eager(program)
+    values = None
+    if load is not None:
+        values = load_values(eager, load)
+        eager.load_state_dict(values, strict=False)
+        before_post = 0
     deferred = build_deferred(program)
     deferred_state = torch.get_rng_state()
     a, b = named_tensors(eager), named_tensors(deferred)
@@ -985,6 +1039,12 @@ def run_program(program: Program, mode="module", order=None, split=0, before_pos
     if mode in ("module", "buffers_first"):
         program.run_post(deferred)
         compare_geometry(a, named_tensors(deferred))
+        if values is not None:
+            missing, unexpected = eager.load_state_dict(values, strict=False)
+            # A tensor loaded under one of its names is not missing under the others.
+            loaded = {id(a[k]) for k in values}
+            missing = [k for k in missing if id(a[k]) not in loaded]
+            assert tuple(load_checkpoint(deferred, values, strict=False)) == (missing, unexpected)
         if mode == "buffers_first":
             try:
                 materialize_module(deferred, buffers_only=True)
@@ -999,9 +1059,11 @@ def run_program(program: Program, mode="module", order=None, split=0, before_pos
         if mode == "module":
             after = torch.rand(4)
             if not torch.equal(after, eager_next):
-                # Draws none of whose values reach a tensor (all overwritten) are
-                # not replayed: the generator then stays where deferral left it.
-                assert not default_draws_survive(program), "default generator not where eager construction left it"
+                # Draws none of whose values reach a tensor (all overwritten by
+                # the program, or by the load) are not replayed: the generator
+                # then stays where deferral left it.
+                if values is None:
+                    assert not default_draws_survive(program), "default generator not where eager construction left it"
                 torch.set_rng_state(deferred_state)
                 assert torch.equal(torch.rand(4), after), "default generator moved, but not to eager's state"
     else:
@@ -1022,6 +1084,8 @@ def run_program(program: Program, mode="module", order=None, split=0, before_pos
         program.run_post(deferred)
         if before_post == 0:
             compare_geometry(a, named_tensors(deferred))
+        if values is not None:
+            load_checkpoint(deferred, values, strict=False)
         for t in chosen[before_post:]:
             try:
                 assert materialize_tensor(t) is t
@@ -1043,12 +1107,21 @@ def test_programs_match_eager(program, data):
     except Exception:
         reject()  # a line invalid after all (see programs()); rare
     n = len({id(t) for t in named_tensors(eager).values()})
-    mode = data.draw(st.sampled_from(["module", "tensors", "mixed", "buffers_first"]), label="mode")
+    mode = data.draw(st.sampled_from(["module", "tensors", "mixed", "buffers_first", "load", "load_tensors"]), label="mode")
+    load = None
+    if mode.startswith("load"):
+        keys = list(eager.state_dict())
+        load = data.draw(st.lists(st.sampled_from(keys), unique=True), label="load") if keys else []
+        try:
+            eager.load_state_dict(load_values(eager, load), strict=False)
+        except RuntimeError:
+            reject()  # eager refuses it (an expanded tensor); so does load_checkpoint (see below)
+        mode = "module" if mode == "load" else "tensors"
     order = data.draw(st.permutations(range(n)), label="order")
     split = data.draw(st.integers(0, n), label="split")
     before_post = data.draw(st.integers(0, n), label="before_post") if program.post else 0
-    note(f"mode={mode!r}, order={order!r}, split={split}, before_post={before_post}")
-    run_program(program, mode, order, split, before_post)
+    note(f"mode={mode!r}, order={order!r}, split={split}, before_post={before_post}, load={load!r}")
+    run_program(program, mode, order, split, before_post, load)
 
 
 # -- fixed programs: the grammar's corners, run on every test run ------------
@@ -1193,11 +1266,14 @@ FIXED = {
 }
 
 
-@pytest.mark.parametrize("mode", ["module", "tensors", "reverse"])
+@pytest.mark.parametrize("mode", ["module", "tensors", "reverse", "load"])
 @pytest.mark.parametrize("name", sorted(FIXED))
 def test_fixed_programs(name, mode):
     program = FIXED[name]
-    if mode == "reverse":
+    if mode == "load":
+        eager, _ = build_eager(program)
+        run_program(program, "module", load=list(eager.state_dict()))
+    elif mode == "reverse":
         eager, _ = build_eager(program)
         n = len({id(t) for t in named_tensors(eager).values()})
         run_program(program, "tensors", list(reversed(range(n))))
@@ -1292,6 +1368,21 @@ def test_random_op_after_construction_without_draws_while_recording():
 ], ids=["t-replayed-on-3d-base", "internal-assert"])
 def test_view_of_view_after_inplace_on_grad_base(lines):
     run_program(_prog(*lines))
+
+
+def test_load_into_an_expanded_tensor_is_refused_as_eagerly():
+    """load_state_dict refuses to copy into a tensor whose elements share memory;
+    load_checkpoint refuses it too, before recording anything."""
+    program = _prog("t0 = torch.zeros(3).expand(2, 3)", 'self.register_buffer("a", t0)')
+    eager, _ = build_eager(program)
+    values = load_values(eager, ["a"])
+    with pytest.raises(RuntimeError, match="single memory location"):
+        eager.load_state_dict(values)
+    deferred = build_deferred(program)
+    with pytest.raises(CheckpointError, match="single memory location"):
+        load_checkpoint(deferred, values)
+    materialize_module(deferred)
+    assert torch.equal(deferred.a, torch.zeros(2, 3))
 
 
 def test_differences_are_detected():

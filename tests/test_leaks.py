@@ -257,3 +257,28 @@ def test_leak_check_can_fail():
         pass
     else:
         raise AssertionError("a leak of one object per iteration went unnoticed")
+
+
+def test_a_loaded_deferred_module_frees_its_record_and_checkpoint_without_gc(tmp_path):
+    """Load nodes hold their checkpoint entries, and entries their file: no
+    cycle, so dropping the module frees the record and the file's header."""
+    from safetensors.torch import save_file
+
+    from materialize import load_checkpoint
+    from materialize.checkpoint.files import CheckpointFile
+
+    save_file(nn.Linear(8, 8).state_dict(), tmp_path / "m.safetensors")
+    m = deferred_init(nn.Linear, 8, 8)
+    load_checkpoint(m, tmp_path / "m.safetensors")
+    node = m.weight._storage.head
+    assert node.kind == "load"
+    file = weakref.ref(node.payload.source)
+    assert isinstance(file(), CheckpointFile)
+    ref = weakref.ref(_record_of(m))
+    del node
+    gc.disable()
+    try:
+        del m
+        assert ref() is None and file() is None, "the record or the checkpoint outlived the module"
+    finally:
+        gc.enable()

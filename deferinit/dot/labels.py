@@ -25,6 +25,9 @@ def node_label(graph, node: Node, values) -> list[str]:
     if node.kind == "external":
         t = node.payload
         return [f"{num} outside tensor", geometry(t.shape, t.dtype, t.device), f"version {node.version}"]
+    if node.kind == "load":  # a checkpoint tensor (materialize.checkpoint)
+        entry = node.payload
+        return [f"{num} load", _clip(repr(entry.key)), f"[{', '.join(str(n) for n in entry.shape)}] {dtype_name(entry.dtype)}"]
     lines = [f"{num} {op_name(node)}"]
     scalars = scalars_text(node)
     if scalars:

@@ -1,0 +1,130 @@
+"""What a recorded node does to memory, for the liveness pass (:mod:`deferinit.liveness`).
+
+Which writes cover their tensor without reading it, which inputs only lend
+their geometry, where a storage comes from, and the two ways a checkpoint
+load is read in less than whole: only the parts of it that are read
+(:func:`load_parts`), or straight into the destination of a ``copy_`` that
+reads it (:func:`direct_copy`).
+
+Example::
+
+    >>> m = deferred_init(torch.nn.Linear, 2, 3)
+    >>> node = m.weight._storage.head          # the uniform_ of reset_parameters
+    >>> overwrites(node), is_view(node)
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fake.opinfo import op_info
+
+from .graph import Input
+from .regions import Region
+
+aten = torch.ops.aten
+
+# In-place ops that write every element of their first argument without reading it.
+OVERWRITES = frozenset({
+    aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
+    aten.uniform_.default, aten.normal_.default, aten.random_.default, getattr(aten.random_, "from"),
+    aten.random_.to, aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.exponential_.default,
+    aten.log_normal_.default, aten.cauchy_.default, aten.geometric_.default,
+})
+
+# Factories that read only the geometry, dtype and device of their first argument.
+GEOMETRY_ONLY = frozenset({
+    aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype,
+    aten.randint_like.Tensor, aten.randint_like.generator, aten.randint_like.low_generator_dtype,
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+    aten.new_empty_strided.default,
+})
+
+def overwrites(node) -> bool:
+    """Whether ``node`` writes every element of its first argument without reading it."""
+    if node.writes != (0,) or node.reshapes:
+        return False
+    if node.kind in ("load", "opaque"):
+        # Opaque nodes are data-dependent initialisers (trunc_normal_), which
+        # start by drawing over the whole tensor.
+        return True
+    return node.kind == "op" and node.target in OVERWRITES
+
+
+def is_view(node) -> bool:
+    return node.kind == "op" and not node.writes and op_info(node.target).view_arg is not None
+
+
+def contiguous(sizes, strides) -> bool:
+    expected = 1
+    for n, s in reversed(list(zip(sizes, strides))):
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+def root_value(value):
+    """The value that created ``value``'s storage (following views), or None when
+    its storage changed geometry in place on the way (then it is not analysed)."""
+    v = value
+    while True:
+        node = v.node
+        if node.reshapes:
+            return None
+        if not is_view(node):
+            return v
+        base = next((x for x in node.flat if type(x) is Input), None)
+        if base is None:
+            return None
+        v = base.value
+
+
+
+def allocatable(node, outs) -> bool:
+    """Whether ``node``'s needed outputs can be allocated instead of computed:
+    a fresh-output operator whose outputs are dense, at offset 0."""
+    if node.kind != "op" or node.writes or node.reshapes:
+        return False
+    for value in outs.values():
+        region = Region.of(value)
+        if value.offset != 0 or (region is not None and not region.dense):
+            return False
+    return True
+
+def direct_copy(node, real_read):
+    """A ``copy_`` whose source holds exactly bytes a checkpoint load wrote:
+    ``(load, (offset, sizes, strides))`` to read them straight into the
+    destination, or None."""
+    dst, src = node.flat[0], node.flat[1] if len(node.flat) > 1 else None
+    if type(src) is not Input or type(dst) is not Input or real_read(src):
+        return None
+    load = src.version
+    if load is None or load.kind != "load" or not getattr(load.payload, "contiguous", False):
+        return None
+    whole = load.flat[0].value
+    part = src.value
+    if part.dtype != whole.dtype or part.size != dst.value.size or not contiguous(whole.size, whole.stride):
+        return None
+    outer, inner = Region.of(whole), Region.of(part)
+    if outer is None or inner is None or not outer.covers(inner):
+        return None
+    return (load, (part.offset - whole.offset, part.size, part.stride))
+
+def load_parts(node, value, region, found):
+    """The parts of a load's tensor that are demanded, in its elements
+    (``(offset, sizes, strides)`` from its first element), or None for all of it."""
+    if not getattr(node.payload, "contiguous", False) or not contiguous(value.size, value.stride):
+        return None
+    size = value.dtype.itemsize
+    parts = []
+    for r, _ in found:
+        if not region.covers(r) or r.covers(region):
+            return None
+        part = r.in_elements(size, value.offset * size)
+        if part is None:
+            return None
+        parts.append(part)
+    return parts

@@ -1,0 +1,313 @@
+"""Dead-work elimination: which planned nodes a replay must run, and how.
+
+A write that covers a tensor without reading it (``copy_`` of its whole
+extent, ``fill_``, ``zero_``, a random fill, a loaded checkpoint) hides every
+earlier write to those bytes; so does ``.data =``, which simply moves the
+tensor to other memory.  Replaying hidden work changes nothing but the
+time, the memory and the random generators.  This pass walks the closure of
+a replay backwards, in recorded order, and keeps per storage the byte
+regions whose contents are still *demanded* (read by a live node or
+requested) at that point of the record:
+
+* a write is **live** when it writes demanded bytes; if it covers them
+  without reading them, they stop being demanded before it;
+* a node that creates a tensor whose *object* is needed (to be written
+  into, viewed or read) but whose contents are all hidden is replayed as an
+  **allocation** of the same geometry (no kernel, no random draw);
+* a view only needs its base's object, ``empty_like``-like factories only
+  their input's geometry: neither demands contents;
+* a ``copy_`` from a tensor whose bytes come straight from a checkpoint
+  load reads the checkpoint into its destination **directly**, and a load
+  whose tensor is only partly demanded reads only those parts: a shard
+  cut from a loaded parameter reads the shard's bytes only.
+
+Random draws whose results are dead still move the generator: a later live
+draw of the same stream may need the state they leave.  Those draws (and
+only those, with the ``extra`` draws a caller asks for to learn a stream's
+end) are replayed **for the generator**: in-place fills draw into scratch
+memory of the same geometry, freed at once.  Dead draws that a checkpoint
+load hides are marked ``hidden_by_load``: :mod:`materialize.generators` does
+not replay them to reach the end of a stream.
+
+Values whose storage is gone (temporaries nobody holds any more) and
+storages whose geometry changed in place (``t_()``, ``set_()``) are not
+analysed: their reads need their whole history, as before.
+
+Example::
+
+    >>> from deferinit.plan import Plan, read_of
+    >>> m = deferred_init(torch.nn.Linear, 2, 3)
+    >>> with torch.no_grad():
+    ...     _ = m.weight.fill_(1.0)         # hides the uniform_ of reset_parameters
+    >>> plan = Plan([read_of(m.weight)])
+    >>> [(str(n.target), plan.mode(n)) for n in plan.order]
+    [('aten.empty.memory_format', 'alloc'), ('aten.fill_.Scalar', 'run')]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .effects import GEOMETRY_ONLY, allocatable, direct_copy, is_view, load_parts, overwrites, root_value
+from .graph import Input, version_seq
+from .regions import Region
+
+aten = torch.ops.aten
+
+RUN = "run"
+ALLOC = "alloc"  # allocate the outputs' memory, compute nothing
+GENERATOR = "generator"  # only for the state it leaves the generator in
+DIRECT = "direct"  # a copy_ that reads a checkpoint straight into its destination
+
+_HUGE = 1 << 62
+
+
+class Liveness:
+    """What a replay of ``universe`` (``id -> node``: the closure of ``targets``
+    and ``extra`` with every draw the random streams may need) must run.
+
+    ``order`` lists the nodes to replay in recorded order; ``mode(node)``
+    says how (``"run"``, ``"alloc"``, ``"generator"``, ``"direct"``);
+    ``reads(node)`` the inputs the replay resolves for it.  A target's whole
+    storage is demanded, not only its own bytes: once real, the storage
+    serves later reads of its other views.
+    """
+
+    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure):
+        # The plan's real_read and closure (passed in: the plan imports this module).
+        self._real_read = real_read
+        self._full_closure = closure
+        self.targets = targets
+        self.universe = universe
+        self.streams = streams
+        # ``extra``: draws replayed only for the state they leave (the ends of
+        # streams, see materialize/generators.py).
+        self._settle({id(n) for n in extra})
+        if any(n.kind == "load" for n in universe.values()):
+            # What the checkpoint loads hide: the generators do not wait for
+            # those draws (they are the initialization a load replaces).
+            for nid in self._hidden_by_loads():
+                node = universe[nid]
+                if node.rng is not None:
+                    node.hidden_by_load = True
+
+    def _settle(self, gen: set) -> set:
+        """Scan until every draw a drawing node needs is drawn; returns the draws
+        replayed for the generator only."""
+        while True:
+            self.__dict__.update(self._scan(gen))
+            new = self._draws_needed()
+            if new <= gen:
+                return gen
+            gen = gen | new
+
+    def _hidden_by_loads(self) -> set:
+        """The nodes that are dead only because checkpoint loads overwrite their
+        results (live if loads read what they write over)."""
+        without = self._scan(set(), loads_hide=False)["live"]
+        return {nid for nid in without if nid not in self.live}
+
+    # -- the backward scan ------------------------------------------------------
+
+    def _scan(self, gen: set, loads_hide: bool = True) -> dict:
+        """One backward pass; ``loads_hide=False`` treats loads as writes that read
+        what they overwrite (to see what they hide)."""
+        real_read, closure = self._real_read, self._full_closure
+        modes: dict = {}
+        allocs: dict = {}
+        scratches: dict = {}
+        loads: dict = {}
+        directs: dict = {}
+        live: dict = {}
+        objects: dict = {}  # id(node) -> {index: value}: tensors whose object is needed
+        pending: dict = {}  # storage key -> [(region, floor seq)]
+        forced: dict = {}  # id(node) -> node: whole history of unanalysed reads
+        keys: dict = {}
+
+        def key_of(value):
+            k = keys.get(id(value))
+            if k is None:
+                storage = value.storage
+                if storage is not None:
+                    k = ("storage", id(storage))
+                else:
+                    root = root_value(value)
+                    k = ("root", id(root.node), root.index) if root is not None else None
+                keys[id(value)] = k
+            return k
+
+        def need(inp) -> None:
+            if not real_read(inp):
+                objects.setdefault(id(inp.value.node), {})[inp.value.index] = inp.value
+
+        def demand(inp, region=None) -> None:
+            value = inp.value
+            if real_read(inp):
+                head = value.storage.real_head
+                if version_seq(inp.version) <= version_seq(head):
+                    return
+                floor = version_seq(head)
+            else:
+                need(inp)
+                floor = -1
+            if region is None:
+                region = Region.of(value)
+                if region is None:
+                    return
+            k = key_of(value)
+            if k is None:
+                closure([inp], (), forced)
+                return
+            pending.setdefault(k, []).append((region, floor))
+
+        def demanded(value, seq):
+            """The demands on ``value``'s storage, at ``seq``, that its bytes meet."""
+            region = Region.of(value)
+            k = key_of(value)
+            if region is None or k is None:
+                return region, k, []
+            items = [d for d in pending.get(k, ()) if d[1] < seq]
+            return region, k, [d for d in items if d[0].intersects(region)]
+
+        def kill(k, region, seq) -> None:
+            items = pending.get(k)
+            if not items:
+                return
+            left = []
+            for r, floor in items:
+                if floor < seq:
+                    left.extend((piece, floor) for piece in r.minus(region))
+                else:
+                    left.append((r, floor))
+            pending[k] = left
+
+        for inp in self.targets:
+            region = None
+            if not real_read(inp):
+                root = root_value(inp.value)
+                region = Region.of(root) if root is not None else Region.interval(0, _HUGE)
+                if region is not None and root is not None and root.offset != 0:
+                    region = Region.interval(0, _HUGE)
+            demand(inp, region)
+
+        for node in sorted(self.universe.values(), key=lambda n: n.seq, reverse=True):
+            nid = id(node)
+            outs = objects.get(nid)
+            seq = node.seq
+            if is_view(node):
+                if outs or nid in forced:
+                    live[nid] = node
+                    for x in node.flat:
+                        if type(x) is Input:
+                            need(x)
+                continue
+            written = [node.flat[p] for p in node.writes]
+            content = nid in forced
+            hits = {}
+            if node.writes and not node.reshapes:
+                for p, w in zip(node.writes, written):
+                    if type(w) is Input and not real_read(w):
+                        region, k, found = demanded(w.value, seq)
+                        if found or k is None:
+                            content = True
+                        hits[p] = (region, k, found)
+            if outs and not node.writes:
+                for value in outs.values():
+                    if demanded(value, seq)[2]:
+                        content = True
+            if not (content or outs or nid in gen):
+                continue
+            live[nid] = node
+
+            # How it runs.
+            mode = RUN
+            if nid in gen and not content and not outs:
+                mode = GENERATOR
+            elif outs and not content and nid not in gen and allocatable(node, outs):
+                mode = ALLOC
+            elif loads_hide and node.kind == "op" and node.target is aten.copy_.default and node.writes == (0,):
+                found = direct_copy(node, self._real_read)
+                if found is not None:
+                    mode = DIRECT
+                    directs[nid] = found
+            if mode != RUN:
+                modes[nid] = mode
+            if mode == ALLOC:
+                allocs[nid] = dict(outs)
+                continue
+
+            # What it does to the demands: writes first (they happen last), then reads.
+            scratch = set()
+            overwriting = overwrites(node) and (loads_hide or node.kind != "load")
+            for p, w in zip(node.writes, written):
+                if type(w) is not Input:
+                    continue
+                if mode == GENERATOR and overwriting:
+                    scratch.add(p)
+                    continue
+                need(w)
+                if node.reshapes:
+                    continue
+                region, k, found = hits.get(p, (None, None, ()))
+                if overwriting and k is not None and region is not None:
+                    if node.kind == "load":
+                        loads[nid] = load_parts(node, w.value, region, found)
+                    kill(k, region, seq)
+                else:
+                    demand(w)
+            if scratch:
+                scratches[nid] = frozenset(scratch)
+            if mode == DIRECT:
+                continue
+            view_only = node.kind == "op" and node.target in GEOMETRY_ONLY
+            first = True
+            for p, x in enumerate(node.flat):
+                if type(x) is not Input or p in node.writes:
+                    continue
+                if view_only and first:
+                    need(x)
+                else:
+                    demand(x)
+                first = False
+
+        return {
+            "live": live, "modes": modes, "alloc": allocs, "scratch": scratches, "loads": loads,
+            "direct": directs, "order": sorted(live.values(), key=lambda n: n.seq),
+        }
+
+    # -- random draws needed only for the generator -----------------------------
+
+    def _draws_needed(self) -> set:
+        """Draws whose state a drawing node needs and that the scan left out."""
+        new = set()
+        for node in self.order:
+            if node.rng is None or self.modes.get(id(node)) == ALLOC:
+                continue
+            stream = node.rng[0]()
+            rs = self.streams.get(id(stream)) if stream is not None else None
+            if rs is None:
+                continue
+            for earlier in rs.needs(rs.index[id(node)]):
+                nid = id(earlier)
+                if nid not in self.live or self.modes.get(nid) == ALLOC:
+                    new.add(nid)
+        return new
+
+    # -- modes ------------------------------------------------------------------
+
+    # -- the interpreter's questions ------------------------------------------
+
+    def mode(self, node) -> str:
+        return self.modes.get(id(node), RUN)
+
+    def reads(self, node) -> list:
+        """The inputs a replay resolves for ``node``."""
+        mode = self.modes.get(id(node))
+        if mode is None:
+            return [x for x in node.flat if type(x) is Input]
+        if mode == ALLOC:
+            return []
+        if mode == DIRECT:
+            return [node.flat[0]]
+        skip = self.scratch.get(id(node), ())
+        return [x for p, x in enumerate(node.flat) if type(x) is Input and p not in skip]

@@ -1,0 +1,19 @@
+"""Checkpoints into modules: ``load_checkpoint``, lazily on deferred tensors.
+
+``api.py`` (the entry point), ``sources.py`` (what a source may be),
+``files.py`` (safetensors and ``torch.save`` files read by position),
+``entries.py`` (one tensor of a checkpoint), ``copying.py`` (strided
+reads straight into a tensor), ``matching.py`` (keys to tensors),
+``loading.py`` (load nodes on deferred tensors, copies into real ones).
+
+Example::
+
+    >>> m = deferred_init(torch.nn.Linear, 2, 3)
+    >>> load_checkpoint(m, {"weight": torch.ones(3, 2)}, strict=False)
+    LoadResult(missing_keys=['bias'], unexpected_keys=[])
+"""
+
+from .api import load_checkpoint
+from .matching import LoadResult
+
+__all__ = ["load_checkpoint", "LoadResult"]

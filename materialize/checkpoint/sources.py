@@ -1,0 +1,142 @@
+"""What ``load_checkpoint`` accepts as a source, opened into ``key -> Entry``.
+
+* a state dict (a mapping of names to tensors; nested dicts are flattened
+  with dots; values that are not tensors are ignored);
+* a ``.safetensors`` file;
+* a ``torch.save`` file (read with ``weights_only=True``; a zip archive is
+  read by position like safetensors, a legacy archive at once);
+* a directory: transformers' ``model.safetensors.index.json`` (or
+  ``pytorch_model.bin.index.json``) says which file holds which key;
+  without one, every ``*.safetensors`` file in it (or else every ``*.bin``,
+  ``*.pt``, ``*.pth`` file).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Mapping
+
+import torch
+
+from deferinit.errors import CheckpointError
+from fake import is_fake
+
+from .entries import Entry, MemorySource
+from .files import SafetensorsFile, TorchFile, flatten_tensors, is_torch_zip
+
+INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class DeferredValue:
+    """A state dict value that is itself deferred: loaded by a recorded ``copy_``."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def describe(self) -> str:
+        return "the state dict"
+
+
+def open_source(source) -> tuple[dict, str]:
+    """``(entries, description)`` of a checkpoint source.
+
+    Example::
+
+        >>> entries, what = open_source({"w": torch.ones(2, 3)})
+        >>> entries["w"].shape, what
+        ((2, 3), 'the state dict')
+    """
+    if isinstance(source, Mapping):
+        return _state_dict(source), "the state dict"
+    try:
+        path = os.fspath(source)
+    except TypeError:
+        raise TypeError(
+            "load_checkpoint() expects a state dict, or the path of a .safetensors file, a torch.save "
+            f"file or a directory of them; got {type(source).__name__}"
+        ) from None
+    if os.path.isdir(path):
+        return _directory(path), path
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.")
+    return open_file(path), os.path.abspath(path)
+
+
+def open_file(path: str) -> dict:
+    """``key -> Entry`` of the file at ``path``: a safetensors file, a
+    ``torch.save`` zip archive, or (a legacy ``torch.save`` archive) a state
+    dict read at once."""
+    if path.endswith(".safetensors"):
+        return SafetensorsFile.open(path)
+    if is_torch_zip(path):
+        return TorchFile.open(path)
+    try:
+        return SafetensorsFile.open(path)
+    except CheckpointError:
+        pass
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"{os.path.abspath(path)} is neither a safetensors file nor a torch.save file "
+            f"(torch.load(weights_only=True) says {type(e).__name__}: {e})."
+        ) from None
+    return _state_dict(dict(flatten_tensors(obj)))
+
+
+def _state_dict(sd: Mapping) -> dict:
+    entries = {}
+    for key, t in flatten_tensors(dict(sd)):
+        if getattr(t, "_local_tensor", None) is not None or type(t).__name__ == "DTensor":
+            raise CheckpointError(
+                f"the state dict's {key!r} is a DTensor; pass full tensors (DTensor.full_tensor()), "
+                "or a checkpoint file, which each rank reads its own part of."
+            )
+        if is_fake(t):
+            if getattr(t, "_record", None) is None:
+                raise CheckpointError(
+                    f"the state dict's {key!r} is a fake tensor from fake_mode, whose values are unknown."
+                )
+            entries[key] = Entry(DeferredValue(t), key, t.dtype, t.shape, 0, 0, t.stride())
+        elif t.is_meta:
+            raise CheckpointError(f"the state dict's {key!r} is on the meta device: it holds no values.")
+        else:
+            entries[key] = MemorySource.entry(key, t)
+    return entries
+
+
+def _directory(path: str) -> dict:
+    index = next((os.path.join(path, n) for n in INDEX_FILES if os.path.exists(os.path.join(path, n))), None)
+    files: dict[str, object] = {}
+    entries: dict = {}
+    if index is not None:
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot read the index {index}: {e}") from None
+        for key, name in weight_map.items():
+            file = files.get(name)
+            if file is None:
+                file = files[name] = open_file(os.path.join(path, name))
+            entry = file.get(key)
+            if entry is None:
+                raise CheckpointError(f"{index} puts {key!r} in {name}, which has no such tensor.")
+            entries[key] = entry
+        return entries
+    names = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not names:
+        names = sorted(n for ext in ("bin", "pt", "pth") for n in glob.glob(os.path.join(path, f"*.{ext}")))
+    if not names:
+        raise CheckpointError(f"{os.path.abspath(path)} holds no *.safetensors, *.bin, *.pt or *.pth file.")
+    for name in names:
+        for key, entry in open_file(name).items():
+            if key in entries:
+                raise CheckpointError(
+                    f"{key!r} is in both {entries[key].source.describe()} and {name}; pass one file, "
+                    "or add an index (model.safetensors.index.json) that says which one holds it."
+                )
+            entries[key] = entry
+    return entries

@@ -1,0 +1,67 @@
+"""load_checkpoint on sharded deferred modules, 2 gloo ranks: FSDP2 and tensor
+parallel, the checkpoint loaded before or after sharding.  Each rank reads
+only the bytes of its own shards, runs no random kernel, and its shards equal
+the checkpoint's rows (rank bodies in tests/checkpoint_workers.py)."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import checkpoint_workers as workers
+from multiproc import run_ranks
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="needs torch.distributed with gloo",
+    ),
+    pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read with /proc/self/io"),
+]
+
+# What a rank may read beyond its share: replicated tensors (LayerNorm, the
+# row-parallel bias), the header, Python's own small reads.
+SLACK = 0.02
+
+
+def _checkpoint(cls, folder):
+    torch.manual_seed(7)
+    path = os.path.join(folder, "model.safetensors")
+    save_file(cls().state_dict(), path)
+    return path, os.path.getsize(path)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_fsdp2_ranks_read_their_rows_only(order, tmp_path):
+    path, size = _checkpoint(workers.Wide, str(tmp_path))
+    results = run_ranks(workers.case_fsdp2, 2, path, order, timeout=240)
+    for r in results:
+        assert r["random"] == []
+        assert r["read"] <= (0.5 + SLACK) * size, (r["read"], size)
+    assert sum(r["read"] for r in results) >= size * 0.98
+
+
+@pytest.mark.parametrize("src_data_rank", [0, None])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_tensor_parallel_ranks_read_their_blocks_only(order, src_data_rank, tmp_path):
+    path, size = _checkpoint(workers.MLP, str(tmp_path))
+    results = run_ranks(workers.case_tp, 2, path, order, src_data_rank, timeout=240)
+    for r in results:
+        assert r["random"] == []
+        assert r["read"] <= (0.5 + SLACK) * size + 4096, (r["read"], size)
+
+
+def test_fsdp2_missing_keys_keep_their_initialization(tmp_path):
+    torch.manual_seed(7)
+    sd = {k: v for k, v in workers.Wide().state_dict().items() if not k.startswith(("norm.", "layers.2."))}
+    path = os.path.join(str(tmp_path), "partial.safetensors")
+    save_file(sd, path)
+    results = run_ranks(workers.case_partial_fsdp2, 2, path, timeout=240)
+    assert results[0]["missing"] == ["layers.2.weight", "layers.2.bias", "norm.weight", "norm.bias"]
+
+
+def test_fsdp1_loaded_before_wrapping(tmp_path):
+    path, size = _checkpoint(workers.Wide, str(tmp_path))
+    results = run_ranks(workers.case_fsdp1, 2, path, timeout=240)
+    assert all(r["read"] >= size * 0.98 for r in results)  # full tensors, then FSDP1 shards them

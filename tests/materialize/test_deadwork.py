@@ -1,0 +1,203 @@
+"""Dead-work elimination (deferinit/liveness.py): replay computes only what the
+values read and the generator states depend on, and equals eager construction.
+
+Every test compares against eager construction with the same seed (values and
+the generator afterwards) and counts, with ``torch.profiler``, the kernels
+that ran while materializing: replay runs below every dispatch mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.profiler import ProfilerActivity, profile
+
+from deferinit import deferred_init
+from deferinit.plan import Plan, read_of
+from helpers import assert_same_tensors
+from materialize import materialize_module, materialize_tensor
+
+N = 64
+
+
+def kernels(fn) -> list[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events()]
+
+
+def eager_and_kernels(build):
+    torch.manual_seed(0)
+    ran = kernels(lambda: build())
+    torch.manual_seed(0)
+    eager = build()
+    return eager, torch.rand(8), ran
+
+
+def deferred_and_kernels(build):
+    torch.manual_seed(0)
+    m = deferred_init(build)
+    ran = kernels(lambda: materialize_module(m))
+    return m, torch.rand(8), ran
+
+
+class Holder(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        body(self)
+
+
+def _copy(self):
+    t = torch.empty(N, N).uniform_()
+    t.mul_(3)
+    t.copy_(torch.arange(N * N, dtype=torch.float32).view(N, N))
+    self.register_buffer("a", t)
+
+
+def _fill_halves(self):
+    t = torch.randn(N, N)
+    t.mul_(3)
+    t[: N // 2].fill_(1.0)
+    t[N // 2 :].zero_()
+    self.register_buffer("a", t)
+
+
+def _setitem(self):
+    t = torch.empty(N, N).normal_()
+    t.mul_(3)
+    t[:] = 2.5
+    self.register_buffer("a", t)
+
+
+def _data(self):
+    p = nn.Parameter(torch.empty(N, N))
+    nn.init.kaiming_uniform_(p)
+    p.data.mul_(3)
+    p.data = torch.ones(N, N)
+    self.register_parameter("p", p)
+    # A later draw needs the state the discarded one leaves.  (Without it no
+    # tensor read draws from the stream, and no replay meets it.)
+    self.register_buffer("b", torch.rand(3))
+
+
+def _reset_then_init(self):
+    # what transformers does: reset_parameters draws, _init_weights draws again
+    lin = nn.Linear(N, N)
+    lin.weight.data.mul_(3)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.02)
+        lin.bias.zero_()
+    self.lin = lin
+
+
+@pytest.mark.parametrize("body", [_copy, _fill_halves, _setitem, _data, _reset_then_init], ids=lambda f: f.__name__[1:])
+def test_overwritten_work_does_not_run_and_values_and_generator_equal_eager(body):
+    def build():
+        return Holder(body)
+
+    eager, eager_next, eager_ran = eager_and_kernels(build)
+    m, next_draw, ran = deferred_and_kernels(build)
+    assert_same_tensors(eager, m)
+    assert torch.equal(next_draw, eager_next)
+    # The work whose result is overwritten does not run...
+    assert "aten::mul_" in eager_ran and "aten::mul_" not in ran
+    # ...but every draw still runs once (into scratch memory when its
+    # result is dead), so that the generator ends where eager leaves it.
+    random = lambda names: [n for n in names if n in ("aten::uniform_", "aten::normal_")]  # noqa: E731
+    assert len(random(ran)) == len(random(eager_ran)) > 0
+
+
+def test_partial_overwrite_keeps_the_rest():
+    def build():
+        def body(self):
+            t = torch.randn(N, N)
+            t.mul_(3)
+            t[1:].fill_(0.0)
+            self.register_buffer("a", t)
+
+        return Holder(body)
+
+    eager, eager_next, _ = eager_and_kernels(build)
+    m, next_draw, ran = deferred_and_kernels(build)
+    assert_same_tensors(eager, m)
+    assert torch.equal(next_draw, eager_next)
+    assert "aten::mul_" in ran  # row 0 still needs it
+
+
+def test_a_dead_draw_a_later_draw_needs_runs_into_scratch_memory():
+    """``a``'s draw is overwritten, ``b``'s needs the state it leaves: it runs,
+    but ``a`` is never allocated nor filled."""
+
+    def build():
+        def body(self):
+            a = torch.empty(N, N).uniform_()
+            a.fill_(0.5)
+            self.register_buffer("a", a)
+            self.register_buffer("b", torch.randn(3))
+
+        return Holder(body)
+
+    eager, _, _ = eager_and_kernels(build)
+    torch.manual_seed(0)
+    m = deferred_init(build)
+    plan = Plan([read_of(m.b)])
+    modes = {str(n.target): plan.mode(n) for n in plan.order}
+    assert modes == {"aten.uniform_.default": "generator", "aten.randn.default": "run"}
+    ran = kernels(lambda: materialize_tensor(m.b))
+    assert "aten::uniform_" in ran and "aten::fill_" not in ran
+    assert torch.equal(m.b, eager.b)
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+
+
+def test_overwritten_factories_are_only_allocated():
+    def build():
+        def body(self):
+            t = torch.zeros(N, N)
+            t.copy_(torch.ones(N, N) * 2)
+            self.register_buffer("a", t)
+
+        return Holder(body)
+
+    eager, _, eager_ran = eager_and_kernels(build)
+    m, _, ran = deferred_and_kernels(build)
+    assert_same_tensors(eager, m)
+    assert eager_ran.count("aten::zeros") == 1 and "aten::zeros" not in ran
+
+
+def test_views_keep_the_writes_their_base_needs():
+    """A view read later sees every write to the bytes it covers."""
+
+    def build():
+        def body(self):
+            t = torch.randn(4, N)
+            v = t[2]
+            t.fill_(1.0)
+            v.mul_(5)
+            t[0].normal_()
+            self.register_buffer("t", t)
+            self.register_buffer("v", v)
+
+        return Holder(body)
+
+    eager, eager_next, _ = eager_and_kernels(build)
+    for order in ("module", "view first"):
+        torch.manual_seed(0)
+        m = deferred_init(build)
+        if order == "view first":
+            materialize_tensor(m.v)
+        materialize_module(m)
+        assert_same_tensors(eager, m)
+        assert m.v.data_ptr() == m.t[2].data_ptr()
+    assert torch.equal(torch.rand(8), eager_next)
+
+
+def test_every_draw_runs_once_for_a_transformer():
+    build = lambda: nn.Transformer(32, 2, 1, 1, 64)  # noqa: E731
+    eager, eager_next, eager_ran = eager_and_kernels(build)
+    m, next_draw, ran = deferred_and_kernels(build)
+    assert_same_tensors(eager, m)
+    assert torch.equal(next_draw, eager_next)
+    random = lambda names: sorted(n for n in names if n in ("aten::uniform_", "aten::normal_"))  # noqa: E731
+    assert random(ran) == random(eager_ran)
