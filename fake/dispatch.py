@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from . import handlers
+from . import constants, handlers
 from .bypass import no_python_dispatch
-from .device import CPU, META, common_device, normalize
+from .device import CPU, META, backend_device, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
 from .opinfo import OpInfo, op_info
-from .state import current_intended_device
+from .state import backend_meant, current_intended_device
 from .tensor import FakeTensor, describe
 
 aten = torch.ops.aten
@@ -97,6 +97,8 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         device = normalize(explicit)
         if device.type == "meta":
             device = current_intended_device() or META
+        elif device.type == "cpu":
+            device = _options_device(tensor_devices) or device
     if device is None:
         if len(tensor_devices) == 1:
             device = tensor_devices[0][0]
@@ -146,6 +148,26 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
     return Call(info, flat, spec, out, device, mutated, fresh, out_flat)
 
 
+def _options_device(tensor_devices):
+    """The device an explicit ``device=cpu`` means when C++ wrote it.
+
+    C++ code builds tensors with the options of an argument (``x.to(dtype,
+    x.options())`` in ``rms_norm``, masks in SDPA's fallback), and the C++
+    device of a fake is CPU where this build lacks its backend.  Python calls
+    never get here with such a device: they go through fake.function.  So a
+    CPU device next to a fake reporting another device whose backend is CPU
+    means that device; a factory without tensors means one only inside a
+    composite that said so (``backend_stands_for``).
+    """
+    if not tensor_devices:
+        return backend_meant()
+    for device, _ in tensor_devices:
+        if device.type == "cpu":
+            return None
+    device = tensor_devices[0][0]
+    return device if backend_device(device) == CPU else None
+
+
 def _sync_geometry(fake: FakeTensor) -> None:
     """Make the wrapper report the geometry of its shadow after an in-place op."""
     shadow = fake._shadow
@@ -178,12 +200,17 @@ class FakeHandler:
 
     def dispatch(self, func, args, kwargs, context):
         if func in DATA_OPS:
+            value = constants.read(func, args, kwargs, FakeTensor)
+            if value is not NotImplemented:
+                return value
             fake = next(a for a in args if isinstance(a, FakeTensor))
             raise FakeDataAccessError(DATA_OPS[func], describe(fake))
         info = op_info(func)
         if writes_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
-        return run(func, args, kwargs, info).out
+        call = run(func, args, kwargs, info)
+        constants.after(call, func, FakeTensor)  # values kept where they are known
+        return call.out
 
     def run_real(self, func, args, kwargs):
         """An in-place op on real tensors only: it stays real."""
@@ -206,7 +233,10 @@ class FakeHandler:
         return FakeTensor(meta_twin(real), device)
 
     def data_access(self, operation, fake, compute):
-        raise FakeDataAccessError(operation, describe(fake))
+        value = constants.value_of(fake)
+        if value is None:
+            raise FakeDataAccessError(operation, describe(fake))
+        return compute(value)
 
     def set_data(self, fake, new) -> None:
         """``fake.data = new``: the fake takes ``new``'s geometry and shadow."""
