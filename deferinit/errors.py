@@ -43,3 +43,13 @@ class DeviceUnavailableError(MaterializationError):
 
 class ReplayError(MaterializationError):
     """An operation failed while being replayed."""
+
+
+class DeferredWriteError(RecordingError):
+    """A computation that is not recorded (a forward pass or an optimizer step
+    on a still-deferred model outside ``fake_mode``) wrote a deferred tensor."""
+
+
+class DeferredModuleWarning(UserWarning):
+    """A forward pass ran on a module that is still deferred, outside
+    ``fake_mode``: it computed on fakes and was not recorded."""
