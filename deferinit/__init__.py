@@ -24,6 +24,8 @@ The same as a block::
 from .errors import (
     DataDependentError,
     DeferredInitError,
+    DeferredModuleWarning,
+    DeferredWriteError,
     DeviceUnavailableError,
     ExternalTensorMutatedError,
     InferenceTensorInputError,
@@ -46,6 +48,8 @@ __all__ = [
     "materialize_tensor",
     "DataDependentError",
     "DeferredInitError",
+    "DeferredModuleWarning",
+    "DeferredWriteError",
     "DeviceUnavailableError",
     "ExternalTensorMutatedError",
     "InferenceTensorInputError",
