@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..text import fmt_bytes, fmt_seconds
-from .step import COLUMNS, LABELS, module_peak
+from .step import COLUMNS, LABELS, forward_flops, module_peak
 
 
 def module_rows(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
@@ -96,17 +96,15 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
     lines.append("")
 
     lines.append(f"per module: {device}'s memory at its highest while the module runs (forward or backward)")
-    head = ("module", "parameters", "peak in", *COLUMNS, "total", "FLOPs")
+    head = ("module", "its size", "peak in", *COLUMNS, "total", "forward FLOPs")
     table = [head]
-    names_of = measured.counter.mod_tracker._known_modules
-    counts = measured.counter.get_flop_counts()
     for label, modules in [("(whole model)", [model])] + module_rows(model):
         best = None
         for m in modules:
             peak = module_peak(measured, m, device)
             if peak is not None and (best is None or peak[1]["Total"] > best[1]["Total"]):
                 best = peak
-        flops = sum(sum(counts.get(names_of.get(m), {}).values()) for m in modules)
+        flops = sum(forward_flops(measured, m) for m in modules)
         if best is None:
             cells = ["-"] * (len(COLUMNS) + 2)
         else:
@@ -116,5 +114,9 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
         table.append((label, fmt_bytes(_param_bytes(modules)), *cells, fmt_flops(flops)))
     lines += _table(table, "<>" + "<" + ">" * (len(COLUMNS) + 2))
     lines.append("")
-    lines.append(f"FLOPs per step (forward and backward, FlopCounterMode): {fmt_flops(measured.flops)} ({measured.flops:,})")
+    forward = forward_flops(measured)
+    lines.append(
+        f"FLOPs per step (FlopCounterMode): {fmt_flops(measured.flops)} ({measured.flops:,}): "
+        f"forward {fmt_flops(forward)}, backward {fmt_flops(measured.flops - forward)}"
+    )
     return "\n".join(lines)

@@ -122,13 +122,15 @@ def loss_of(output, token_ids=None) -> torch.Tensor:
 @dataclasses.dataclass
 class Measured:
     """What one step measured: ``peak`` is ``{device: {category: bytes, "Total": bytes}}``
-    (category names as in PyTorch's ``_MemRefType`` / ``_FSDPRefType``); ``tracker``
-    and ``counter`` are PyTorch's objects, for per-module figures."""
+    (category names as in PyTorch's ``_MemRefType`` / ``_FSDPRefType``), ``flops``
+    the step's total; ``tracker`` and ``counter`` are PyTorch's objects, for
+    per-module figures."""
 
     peak: dict
     flops: int
     tracker: MemTracker
     counter: FlopCounterMode
+    forward_flops: dict  # FlopCounterMode's counts after the forward pass: {module name: {op: flops}}
 
 
 def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: bool = False) -> Measured:
@@ -150,10 +152,14 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
     # operators, and only their results are allocations of the step.
     with counter, tracker:
         loss = loss_of(model(*args, **kwargs), token_ids)
+        # Per module, the forward pass's counts: in the backward pass PyTorch's
+        # module tracker may hold several modules active at once (a tensor
+        # several blocks read), which counts some operators more than once.
+        forward = counter.get_flop_counts()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return Measured(_named(tracker.get_tracker_snapshot("peak")), counter.get_total_flops(), tracker, counter)
+    return Measured(_named(tracker.get_tracker_snapshot("peak")), counter.get_total_flops(), tracker, counter, forward)
 
 
 def _named(snapshot) -> dict:
@@ -181,6 +187,9 @@ def module_peak(measured: Measured, module, device) -> tuple[str, dict] | None:
     return best
 
 
-def module_flops(measured: Measured, name: str) -> int:
-    """FLOPs counted in module ``name`` (FlopCounterMode's name: ``"Llama.layers.0"``)."""
-    return sum(measured.counter.get_flop_counts().get(name, {}).values())
+def forward_flops(measured: Measured, module=None) -> int:
+    """FLOPs of the forward pass in ``module`` (the whole forward pass: None)."""
+    if module is None:
+        return sum(measured.forward_flops.get("Global", {}).values())
+    name = measured.counter.mod_tracker._known_modules.get(module)
+    return sum(measured.forward_flops.get(name, {}).values())
