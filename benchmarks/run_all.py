@@ -22,6 +22,7 @@ BENCHMARKS = [
     ("Materializing against eager construction", "materialize_speed", "Time and peak RSS of deferred_init + materialize_module against eager construction, each in a fresh process."),
     ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
     ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),
+    ("Planning a training step", "planning", "One training step of the 70B Llama (bf16, batch 1x4096) on fake devices under PyTorch's FSDPMemTracker and FlopCounterMode, sharded over 8 fake ranks: deferinit against PyTorch's FakeTensorMode where it can run."),
 ]
 
 

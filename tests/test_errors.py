@@ -43,13 +43,15 @@ def test_error_hierarchy():
     """One base class to catch them all; recording and materialization apart."""
     for cls in (RecordingError, MaterializationError):
         assert issubclass(cls, DeferredInitError)
-    for cls in (MixedFakeError, InferenceTensorInputError, DataDependentError):
+    for cls in (MixedFakeError, InferenceTensorInputError, DataDependentError, deferinit.DeferredWriteError):
         assert issubclass(cls, RecordingError)
+    assert issubclass(deferinit.DeferredModuleWarning, UserWarning)
     for cls in (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError):
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("DataDependentError", "DeferredInitError", "DeviceUnavailableError", "ExternalTensorMutatedError",
+    for name in ("DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
+                 "DeviceUnavailableError", "ExternalTensorMutatedError",
                  "InferenceTensorInputError", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
         assert getattr(deferinit, name).__module__ == "deferinit.errors"
 

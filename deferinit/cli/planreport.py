@@ -87,12 +87,17 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
         f"{fmt_seconds(seconds)}; measured by PyTorch's {'FSDPMemTracker' if setup['shard'] else 'MemTracker'} and FlopCounterMode",
         "",
     ]
-    devices = sorted(measured.peak, key=lambda d: (d != device, str(d)))
-    names = [n for n in LABELS if any(measured.peak[d].get(n) for d in devices)]
-    rows = [("peak memory", *[str(d) for d in devices])]
-    rows += [(f"  {LABELS[n]}", *[fmt_bytes(measured.peak[d].get(n, 0)) if measured.peak[d].get(n) else "-" for d in devices]) for n in names]
-    rows.append(("  total", *[fmt_bytes(measured.peak[d]["Total"]) for d in devices]))
-    lines += _table(rows, "<" + ">" * len(devices))
+    devices = sorted(set(measured.peak) | set(measured.after), key=lambda d: (d != device, str(d)))
+    snaps = [(measured.peak.get(d, {}), measured.after.get(d, {})) for d in devices]
+    names = [n for n in LABELS if any(p.get(n) or a.get(n) for p, a in snaps)]
+
+    def cell(snap, name):
+        return fmt_bytes(snap[name]) if snap.get(name) else "-"
+
+    rows = [("memory", *[c for d in devices for c in (f"{d} peak", f"{d} after the step")])]
+    rows += [(f"  {LABELS[n]}", *[cell(s, n) for pair in snaps for s in pair]) for n in names]
+    rows.append(("  total", *[cell(s, "Total") for pair in snaps for s in pair]))
+    lines += _table(rows, "<" + ">" * (2 * len(devices)))
     lines.append("")
 
     lines.append(f"per module: {device}'s memory at its highest while the module runs (forward or backward)")

@@ -15,7 +15,7 @@ Example::
     >>> opt = torch.optim.AdamW(model.parameters())
     >>> m = measure_step(model, (torch.randn(8, 64),), {}, opt)
     >>> m.peak[torch.device("cpu")]["Total"] > 0, m.flops
-    (True, 196608)
+    (True, 131072)
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class Measured:
     tracker: MemTracker
     counter: FlopCounterMode
     forward_flops: dict  # FlopCounterMode's counts after the forward pass: {module name: {op: flops}}
+    after: dict  # like ``peak``, once the step is done: what stays between steps
 
 
 def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: bool = False) -> Measured:
@@ -159,7 +160,8 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-    return Measured(_named(tracker.get_tracker_snapshot("peak")), counter.get_total_flops(), tracker, counter, forward)
+        after = _named(tracker.get_tracker_snapshot())
+    return Measured(_named(tracker.get_tracker_snapshot("peak")), counter.get_total_flops(), tracker, counter, forward, after)
 
 
 def _named(snapshot) -> dict:

@@ -99,6 +99,7 @@ def test_peak_and_flops_of_a_planned_step_equal_the_real_run(name, foreach):
     real_model, want = real(name, foreach)
     fake_model, got = planned(name, foreach)
     assert got.peak == want.peak  # per device, per category, byte for byte
+    assert got.after == want.after  # what stays between steps
     assert got.flops == want.flops > 0
     assert per_module(fake_model, got) == per_module(real_model, want)
     assert any(v is not None for rows in per_module(fake_model, got).values() for v in rows)

@@ -69,10 +69,11 @@ def test_plan_prints_the_real_runs_peak_per_category_and_module(targets):
     peak = real.peak[torch.device("cpu")]
     out = r.stdout
     assert "one training step (forward, backward, AdamW step) on fake cpu" in out
+    after = real.after[torch.device("cpu")]
     for category, label in [("PARAM", "parameters"), ("GRAD", "gradients"), ("OPT", "optimizer state"),
                             ("ACT", "activations"), ("Total", "total")]:
-        if peak.get(category):
-            assert cells(out, label)[1] == fmt_bytes(peak[category]), label
+        expected = [fmt_bytes(snap[category]) if snap.get(category) else "-" for snap in (peak, after)]
+        assert cells(out, label)[1:3] == expected, label
     assert cells(out, "layers.0-3 (4 x DecoderLayer)")[1] == fmt_bytes(
         sum(p.numel() * 4 for layer in model.layers for p in layer.parameters()))
     assert f"FLOPs per step (FlopCounterMode): {fmt_flops(real.flops)} ({real.flops:,})" in out
