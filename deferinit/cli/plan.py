@@ -141,7 +141,7 @@ def plan(opts, out) -> int:
         raise UsageError("--rank R needs --shard N with 0 <= R < N")
     if opts.device is None:
         opts.device = "cuda"
-    model, build_seconds, _, call = build(opts)
+    model, build_seconds, _, call, dtype = build(opts)
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{call} returned a {type(model).__name__}, not an nn.Module; plan needs a module")
     device = _device(model, opts.device)
@@ -163,7 +163,7 @@ def plan(opts, out) -> int:
     seconds = time.perf_counter() - t0
     setup = {
         "device": device, "batch": batch, "inputs": extra, "optimizer": type(optimizer).__name__,
-        "foreach": foreach, "shard": opts.shard, "rank": rank,
+        "foreach": foreach, "shard": opts.shard, "rank": rank, "dtype": dtype,
     }
     print(format_plan(model, measured, call=call, setup=setup, seconds=seconds, build_seconds=build_seconds), file=out)
     return 0

@@ -83,7 +83,7 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
         where += f", rank {setup['rank']} of {setup['shard']} (FSDP2, fake process group)"
     lines = [
         f"{call}: one training step (forward, backward, {what} step) on {where}",
-        f"  inputs {', '.join(inputs)}; built deferred in {fmt_seconds(build_seconds)}, step planned in "
+        f"  inputs {', '.join(inputs)}; built deferred in {setup['dtype']} in {fmt_seconds(build_seconds)}, step planned in "
         f"{fmt_seconds(seconds)}; measured by PyTorch's {'FSDPMemTracker' if setup['shard'] else 'MemTracker'} and FlopCounterMode",
         "",
     ]
