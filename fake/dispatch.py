@@ -12,7 +12,7 @@ import torch
 
 from . import constants, handlers
 from .bypass import no_python_dispatch
-from .device import CPU, META, backend_device, common_device, normalize
+from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
 from .opinfo import OpInfo, op_info
@@ -151,21 +151,20 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
 def _options_device(tensor_devices):
     """The device an explicit ``device=cpu`` means when C++ wrote it.
 
-    C++ code builds tensors with the options of an argument (``x.to(dtype,
-    x.options())`` in ``rms_norm``, masks in SDPA's fallback), and the C++
-    device of a fake is CPU where this build lacks its backend.  Python calls
-    never get here with such a device: they go through fake.function.  So a
-    CPU device next to a fake reporting another device whose backend is CPU
-    means that device; a factory without tensors means one only inside a
-    composite that said so (``backend_stands_for``).
+    Inside a torch function called on a fake whose C++ side sits on CPU (see
+    ``fake.mode._backend_stands_for``), C++ code that builds tensors with
+    that fake's options asks for CPU and means the fake's device: a factory
+    (SDPA's masks) or an operator on such fakes (``rms_norm``'s cast back).
+    Python calls never get here with such a device (fake.function rewrites
+    them), and a real CPU tensor among the arguments means CPU.
     """
-    if not tensor_devices:
-        return backend_meant()
-    for device, _ in tensor_devices:
-        if device.type == "cpu":
+    meant = backend_meant()
+    if meant is None:
+        return None
+    for device, is_cpu_scalar in tensor_devices:
+        if device != meant and not is_cpu_scalar:
             return None
-    device = tensor_devices[0][0]
-    return device if backend_device(device) == CPU else None
+    return meant
 
 
 def _sync_geometry(fake: FakeTensor) -> None:

@@ -20,7 +20,7 @@ from . import handlers
 from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .device import backend_device
-from .state import backend_stands_for, planning
+from .state import backend_meant, backend_stands_for, planning
 from .tensor import FakeTensor
 
 
@@ -34,9 +34,8 @@ _pop = torch._C._pop_torch_function_stack
 _dispatch_depth = torch._C._len_torch_dispatch_stack
 
 
-_SDPA = torch.nn.functional.scaled_dot_product_attention
 # Calls that may need a device rewritten even without keyword arguments.
-_HANDLED = CONSTRUCTORS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__, _SDPA}
+_HANDLED = CONSTRUCTORS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__}
 
 
 class FakeFunctionMode(TorchFunctionMode):
@@ -58,6 +57,10 @@ class FakeFunctionMode(TorchFunctionMode):
         self.bodies: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        meant = _backend_stands_for(args) if type(func) not in _OPERATORS else None
+        if meant is not None:
+            with backend_stands_for(meant):
+                return self.__torch_function__(func, types, args, kwargs)
         fast = self.fast.get(func)
         if fast is not None and _dispatch_depth() == self.partner_depth:
             result = fast(self.context, args, kwargs or {})
@@ -71,8 +74,6 @@ class FakeFunctionMode(TorchFunctionMode):
             # A real tensor deep-copied under a fake mode (a template module
             # inside deferred_init): its copy is fake, laid out as eager's.
             return deepcopy_tensor(args[0], args[1])
-        if func is _SDPA:
-            return _sdpa(func, args, kwargs)
         if type(func) is FunctionType and _skip_one_hop is not None:
             # A Python function with a torch-function prologue (nn.init.*,
             # F.*, Tensor.backward): run its body with this mode still
@@ -100,19 +101,31 @@ class FakeFunctionMode(TorchFunctionMode):
         return rewrite_call(func, args, kwargs, self.fake_cuda)
 
 
-def _sdpa(func, args, kwargs):
-    """``F.scaled_dot_product_attention`` on fakes.
+# Operators called directly (DTensor running its local computation): their
+# explicit devices are the caller's, never C++ options.
+_OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
-    Its C++ fallback builds masks with the options of ``query``, whose C++
-    device is CPU where this build lacks the fake's backend (see
-    ``fake.device.backend_device``); those factories mean the fake's device.
+
+def _backend_stands_for(args):
+    """The device of the fake ``args`` start with when its C++ side is on CPU.
+
+    C++ composites build temporaries with the options of their first tensor
+    (``rms_norm`` casting back to bf16, the masks of SDPA's fallback), whose
+    C++ device is CPU where this build lacks the fake's backend (see
+    ``fake.device.backend_device``): inside such a call, those CPU devices
+    mean the fake's (``fake.dispatch``).
     """
-    query = args[0] if args else kwargs.get("query")
-    device = getattr(query, "device", None)
-    if isinstance(query, FakeTensor) and backend_device(device) != device:
-        with backend_stands_for(device):
-            return func(*args, **kwargs)
-    return func(*args, **kwargs)
+    if not args:
+        return None
+    first = args[0]
+    if type(first) in (list, tuple) and first:
+        first = first[0]
+    if not isinstance(first, FakeTensor):
+        return None
+    device = first.__dict__["_device"]
+    if device.type == "cpu" or backend_device(device) == device or backend_meant() == device:
+        return None
+    return device
 
 
 class FakeDispatchMode(TorchDispatchMode):

@@ -119,6 +119,8 @@ def test_explicit_cpu_still_means_cpu():
         x = torch.ones(3, device="cuda")
         assert x.to("cpu").device.type == "cpu" and x.cpu().device.type == "cpu"
         assert torch.ones(2, device="cpu").device.type == "cpu"
+        # what DTensor's .cpu() issues on its local tensor: an operator called directly
+        assert torch.ops.aten._to_copy.default(x, device=torch.device("cpu")).device.type == "cpu"
         with pytest.raises(RuntimeError, match="same device"):
             x + torch.ones(3, device="cpu")
 
