@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from . import constants, handlers
+from . import constants, handlers, metacache
 from .bypass import no_python_dispatch
 from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
-from .flat import flatten, flatten_output, unflatten, unflatten_output
+from .flat import flatten, flatten_output, unflatten_output
 from .opinfo import OpInfo, op_info
 from .state import backend_meant, current_intended_device
 from .tensor import FakeTensor, describe
@@ -111,10 +111,8 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         info.check(owner, args, kwargs)
         return Call(info, flat, spec, owner, device, [owner], [], [owner])
 
-    margs, mkwargs = unflatten(metas, spec)
     try:
-        with no_python_dispatch():
-            result = func(*margs, **mkwargs)
+        result = metacache.call(info, metas, spec)
     except NotImplementedError as e:
         raise UnsupportedOperatorError(
             f"{func} cannot run on fake tensors: it has no meta kernel, or its output "

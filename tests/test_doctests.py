@@ -15,6 +15,7 @@ MODULES = [
     "fake.errors",
     "fake.storage",
     "fake.constants",
+    "fake.metacache",
     "deferinit",
     "deferinit.session",
     "deferinit.view",
