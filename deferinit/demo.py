@@ -6,7 +6,10 @@ heads, so the k/v projections are 8192 x 1024, RMSNorm) and is built the
 usual way: embedding first, then the layers, the final norm and the output
 head.  Every ``nn.Linear`` and ``nn.Embedding`` keeps PyTorch's default
 initialisation, so the reference for exactness is plain eager PyTorch.
-It describes shapes only: there is no forward pass.
+Its forward pass (token ids in, logits out; rotary position embeddings,
+grouped-query causal attention through ``scaled_dot_product_attention``,
+SwiGLU) is Llama's, so a training step can be planned on it
+(``deferinit plan deferinit.demo:Llama``).
 
 Example::
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -35,6 +39,7 @@ class LlamaShape:
     num_heads: int
     num_kv_heads: int
     rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
 
     @property
     def head_dim(self) -> int:
@@ -70,6 +75,30 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d, kv, **kw)
         self.v_proj = nn.Linear(d, kv, **kw)
         self.o_proj = nn.Linear(d, d, **kw)
+        self.head_dim = shape.head_dim
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def _rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def rotary(shape: LlamaShape, length: int, device, dtype):
+    """The cosines and sines of rotary position embeddings for ``length`` positions."""
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, shape.head_dim, 2, device=device).float() / shape.head_dim))
+    angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 class MLP(nn.Module):
@@ -83,6 +112,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d, f, **kw)
         self.down_proj = nn.Linear(f, d, **kw)
 
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
 
 class DecoderLayer(nn.Module):
     """One Llama block, built in the order of HuggingFace's ``LlamaDecoderLayer``."""
@@ -94,6 +126,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape, **kw)
         self.input_layernorm = nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, **kw)
         self.post_attention_layernorm = nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, **kw)
+
+    def forward(self, x, cos, sin):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Llama(nn.Module):
@@ -114,6 +150,14 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(shape, **kw) for _ in range(shape.num_layers))
         self.norm = nn.RMSNorm(shape.hidden_size, eps=shape.rms_norm_eps, **kw)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, **kw)
+
+    def forward(self, input_ids):
+        """Logits for token ids of shape ``(batch, sequence)``."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary(self.shape, input_ids.shape[1], x.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
 
 
 def eager_first_block(shape: LlamaShape, *, seed: int, dtype=None) -> DecoderLayer:

@@ -62,3 +62,13 @@ class CheckpointMismatchError(CheckpointError):
 class CheckpointReadError(MaterializationError):
     """A checkpoint recorded by ``load_checkpoint`` could not be read while
     materializing (the file is gone, truncated or changed); nothing was changed."""
+
+
+class DeferredWriteError(RecordingError):
+    """A computation that is not recorded (a forward pass or an optimizer step
+    on a still-deferred model outside ``fake_mode``) wrote a deferred tensor."""
+
+
+class DeferredModuleWarning(UserWarning):
+    """A forward pass ran on a module that is still deferred, outside
+    ``fake_mode``: it computed on fakes and was not recorded."""

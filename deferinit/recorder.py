@@ -16,12 +16,14 @@ from fake.flat import flatten
 from fake.bypass import no_python_dispatch
 from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, writes_real
 from fake.opinfo import op_info
+from fake.state import in_fake_mode
 from fake.errors import UnsupportedOperatorError
 from fake.tensor import FakeTensor, describe
 
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
+from .outside import computes_plain
 from .graph import Input, Leaf, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -57,11 +59,14 @@ class Recorder(FakeHandler):
     def dispatch(self, func, args, kwargs, context):
         if func in DATA_OPS:
             return self._data_op(func, args, kwargs)
+        info = op_info(func)
+        if context is None and current_record() is None and computes_plain(func, info, args, kwargs):
+            # Running a deferred model, not changing it: see deferinit/outside.py.
+            return FakeHandler.dispatch(self, func, args, kwargs, None)
         if func in LIFT_OPS and not isinstance(args[0], FakeTensor) and args[0].device.type != "meta":
             return self.constant(args[0], args[0].device)
         if func.namespace in COLLECTIVE_NAMESPACES:  # c10d ops: see deferinit/collectives.py
             return record_collective(self, func, args, kwargs)
-        info = op_info(func)
         if writes_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
         record = context if context is not None else _record_of(args, kwargs)
@@ -69,7 +74,7 @@ class Recorder(FakeHandler):
         try:
             call = run(func, args, kwargs, info)
         except UnsupportedOperatorError as e:
-            raise UnsupportedOperatorError(f"{e} (while constructing {constructing()})") from None
+            raise UnsupportedOperatorError(f"{e}{self.where()}") from None
         if call.device.type == "meta":
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
@@ -130,15 +135,17 @@ class Recorder(FakeHandler):
         return call.out
 
     def where(self) -> str:
+        if current_record() is None:
+            return " (on a deferred tensor, after deferred_init returned)"
         return f" (while constructing {constructing()})"
 
     def _read(self, fake: FakeTensor, func, record) -> Input:
         other = fake._record
         if other is None:
             raise MixedFakeError(
-                f"{func} inside deferred_init got a fake tensor {describe(fake)} made by "
+                f"{func} {_in_or_after()} got a fake tensor {describe(fake)} made by "
                 "fake_mode, whose values are unknown, so the result could not be "
-                f"materialized (while constructing {constructing()}). Create that tensor inside "
+                f"materialized{self.where()}. Create that tensor inside "
                 "deferred_init, or use a real tensor."
             )
         if other is not record and record is not None:
@@ -170,7 +177,7 @@ class Recorder(FakeHandler):
                 if pos is None:
                     raise RecordingError(
                         f"{func} changed the shape of a tensor it does not return; this cannot "
-                        f"be recorded (while constructing {constructing()})."
+                        f"be recorded{self.where()}."
                     )
                 fake.__dict__["_value"] = Value(node, pos, fake, fake._storage)
 
@@ -182,10 +189,10 @@ class Recorder(FakeHandler):
     def _external_value(self, t: torch.Tensor, func=None):
         if t.is_inference():
             raise InferenceTensorInputError(
-                f"{func or 'an operation'} inside deferred_init used an inference tensor "
+                f"{func or 'an operation'} {_in_or_after()} used an inference tensor "
                 f"{describe(t)} from outside. Inference tensors have no version counter, so "
                 "a later in-place change could not be detected and the replay could be "
-                f"silently wrong (while constructing {constructing()}). Pass t.clone() made "
+                f"silently wrong{self.where()}. Pass t.clone() made "
                 "outside torch.inference_mode() instead."
             )
         node = Node("external", None, payload=t)
@@ -240,9 +247,16 @@ class Recorder(FakeHandler):
         if not isinstance(new, FakeTensor):
             new = self._wrap_external(new, fake._record or current_record())
         elif new._record is None:
+            source = (
+                "was computed inside fake_mode, which does not record"
+                if in_fake_mode() or current_record() is None
+                else "is a fake from fake_mode"
+            )
             raise MixedFakeError(
-                f"tensor.data = {describe(new)}: the new data is a fake from fake_mode, whose "
-                "values are unknown. Create it inside deferred_init, or assign a real tensor."
+                f"tensor.data = {describe(new)} on a deferred tensor {describe(fake)}: the new data "
+                f"{source}, so its values are unknown and the deferred tensor would lose its recipe. "
+                "Do this outside fake_mode (it is then recorded), create the new data inside "
+                "deferred_init, or assign a real tensor."
             )
         adopt(fake, new)
         attach(fake, new._record, new._value, new._storage)
@@ -295,6 +309,10 @@ class Recorder(FakeHandler):
             f"{operation} needs the value of a deferred tensor, and no interpreter is installed "
             "(import deferinit, which installs materialize's)."
         )
+
+
+def _in_or_after() -> str:
+    return "inside deferred_init" if current_record() is not None else "on a deferred tensor"
 
 
 def check_storage_not_real(fake: FakeTensor, op) -> None:

@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from .record import current_record
+
 
 def constructing() -> str:
     """The ``nn.Module`` classes whose ``__init__`` is running, outermost first.
@@ -27,6 +29,15 @@ def constructing() -> str:
     return " > ".join(reversed(names)) if names else "(no module being constructed)"
 
 
+def recording() -> str:
+    """Where an operation on a deferred tensor happens, for messages:
+    ``"while recording (constructing Llama > DecoderLayer)"`` inside
+    ``deferred_init``, ``"after deferred_init returned"`` outside it."""
+    if current_record() is None:
+        return "after deferred_init returned"
+    return f"while recording (constructing {constructing()})"
+
+
 def tensor_names(module: torch.nn.Module) -> dict[int, str]:
     """``id(tensor) -> qualified name`` for every parameter and buffer of ``module``
     (the first name of a tied tensor), DTensor local shards included."""
@@ -42,3 +53,41 @@ def tensor_names(module: torch.nn.Module) -> dict[int, str]:
 def _named_tensors(module):
     yield from module.named_parameters(remove_duplicate=False)
     yield from module.named_buffers(remove_duplicate=False)
+
+
+_CALL_IMPL = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__})
+
+
+def training() -> tuple:
+    """``(module, optimizer, backward)``: the outermost ``nn.Module`` whose
+    forward is running, the ``torch.optim`` optimizer whose ``step`` is
+    running, and whether autograd's engine is running a backward pass
+    (None/None/False where nothing is).
+
+    Walks the Python stack; meant for operations on deferred tensors outside
+    ``deferred_init``, never for the recording hot path.
+    """
+    backward = torch._C._current_graph_task_id() != -1
+    module = optimizer = None
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code in _CALL_IMPL or code.co_name == "forward":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module):
+                module = owner  # the outermost one wins
+        elif code.co_name == "step" and optimizer is None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.optim.Optimizer):
+                optimizer = owner
+        frame = frame.f_back
+    return module, optimizer, backward
+
+
+def tensor_name(module: torch.nn.Module, t: torch.Tensor) -> str | None:
+    """``"features.1.running_mean (BatchNorm2d)"`` for a tensor of ``module``, else None."""
+    name = tensor_names(module).get(id(t))
+    if name is None:
+        return None
+    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+    return f"{name} ({type(owner).__name__})"

@@ -21,13 +21,15 @@ PUBLIC = [
     ("deferinit", ["deferred_init", "deferred", "is_deferred", "graph_of", "to_dot"]),
     ("deferinit.view", ["Graph"]),
     ("materialize", ["materialize_module", "materialize_tensor", "load_checkpoint", "LoadResult"]),
-    ("fake", ["fake_mode", "is_fake", "meta_like", "FakeTensor"]),
+    ("fake", ["fake_mode", "is_fake", "meta_like", "FakeTensor", "FakeStorage"]),
     (
         "deferinit",
         [
             "DeferredInitError",
             "RecordingError",
             "MixedFakeError",
+            "DeferredWriteError",
+            "DeferredModuleWarning",
             "InferenceTensorInputError",
             "DataDependentError",
             "MaterializationError",

@@ -13,11 +13,13 @@ Example::
 """
 
 from .errors import FakeDataAccessError, FakeIntoRealError, FakeTensorError, UnsupportedOperatorError
+from .storage import FakeStorage
 from .tensor import FakeTensor, is_fake, meta_like
 from . import dispatch as _dispatch  # noqa: F401  (installs the plain handler)
 from .mode import fake_mode
 
 __all__ = [
+    "FakeStorage",
     "FakeTensor",
     "FakeDataAccessError",
     "FakeIntoRealError",

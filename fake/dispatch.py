@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from . import handlers
+from . import constants, handlers, metacache
 from .bypass import no_python_dispatch
 from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
-from .flat import flatten, flatten_output, unflatten, unflatten_output
+from .flat import flatten, flatten_output, unflatten_output
 from .opinfo import OpInfo, op_info
-from .state import current_intended_device
+from .state import backend_meant, current_intended_device
 from .tensor import FakeTensor, describe
 
 aten = torch.ops.aten
@@ -97,6 +97,8 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         device = normalize(explicit)
         if device.type == "meta":
             device = current_intended_device() or META
+        elif device.type == "cpu":
+            device = _options_device(tensor_devices) or device
     if device is None:
         if len(tensor_devices) == 1:
             device = tensor_devices[0][0]
@@ -109,10 +111,8 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         info.check(owner, args, kwargs)
         return Call(info, flat, spec, owner, device, [owner], [], [owner])
 
-    margs, mkwargs = unflatten(metas, spec)
     try:
-        with no_python_dispatch():
-            result = func(*margs, **mkwargs)
+        result = metacache.call(info, metas, spec)
     except NotImplementedError as e:
         raise UnsupportedOperatorError(
             f"{func} cannot run on fake tensors: it has no meta kernel, or its output "
@@ -144,6 +144,25 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
                 mutated.append(fake)
     out = out_flat[0] if how is None else unflatten_output(out_flat, how)
     return Call(info, flat, spec, out, device, mutated, fresh, out_flat)
+
+
+def _options_device(tensor_devices):
+    """The device an explicit ``device=cpu`` means when C++ wrote it.
+
+    Inside a torch function called on a fake whose C++ side sits on CPU (see
+    ``fake.mode._backend_stands_for``), C++ code that builds tensors with
+    that fake's options asks for CPU and means the fake's device: a factory
+    (SDPA's masks) or an operator on such fakes (``rms_norm``'s cast back).
+    Python calls never get here with such a device (fake.function rewrites
+    them), and a real CPU tensor among the arguments means CPU.
+    """
+    meant = backend_meant()
+    if meant is None:
+        return None
+    for device, is_cpu_scalar in tensor_devices:
+        if device != meant and not is_cpu_scalar:
+            return None
+    return meant
 
 
 def _sync_geometry(fake: FakeTensor) -> None:
@@ -178,12 +197,17 @@ class FakeHandler:
 
     def dispatch(self, func, args, kwargs, context):
         if func in DATA_OPS:
+            value = constants.read(func, args, kwargs, FakeTensor)
+            if value is not NotImplemented:
+                return value
             fake = next(a for a in args if isinstance(a, FakeTensor))
             raise FakeDataAccessError(DATA_OPS[func], describe(fake))
         info = op_info(func)
         if writes_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
-        return run(func, args, kwargs, info).out
+        call = run(func, args, kwargs, info)
+        constants.after(call, func, FakeTensor)  # values kept where they are known
+        return call.out
 
     def run_real(self, func, args, kwargs):
         """An in-place op on real tensors only: it stays real."""
@@ -206,7 +230,10 @@ class FakeHandler:
         return FakeTensor(meta_twin(real), device)
 
     def data_access(self, operation, fake, compute):
-        raise FakeDataAccessError(operation, describe(fake))
+        value = constants.value_of(fake)
+        if value is None:
+            raise FakeDataAccessError(operation, describe(fake))
+        return compute(value)
 
     def set_data(self, fake, new) -> None:
         """``fake.data = new``: the fake takes ``new``'s geometry and shadow."""

@@ -10,9 +10,12 @@ class FakeTensorError(RuntimeError):
 class FakeDataAccessError(FakeTensorError):
     """A fake tensor was asked for its data.
 
-    Fake tensors carry shape, dtype, strides and a device, but no storage, so
-    anything that needs the numbers (``item()``, ``tolist()``, ``numpy()``,
-    ``bool()``, ``data_ptr()``, formatting values) cannot be answered.
+    Fake tensors carry shape, dtype, strides, a device and the size of their
+    storage, but no data, so anything that needs the numbers (``item()``,
+    ``tolist()``, ``numpy()``, ``bool()``, ``data_ptr()``, formatting values,
+    the bytes of their storage) cannot be answered.  Small tensors whose
+    values are known (made from Python numbers, and what is computed from
+    them alone, see :mod:`fake.constants`) are the exception.
 
     Example::
 
@@ -28,7 +31,7 @@ class FakeDataAccessError(FakeTensorError):
         self.operation = operation
         message = (
             f"{operation} needs the data of a fake tensor {tensor_desc}, and fake "
-            "tensors have no storage: only shape, dtype, strides and device."
+            "tensors hold no data: only shape, dtype, strides, device and the size of their memory."
         )
         message += " " + (
             hint

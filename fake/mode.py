@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import handlers
 from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+from .device import backend_device
+from .state import backend_meant, backend_stands_for, planning
 from .tensor import FakeTensor
 
 
@@ -51,8 +53,14 @@ class FakeFunctionMode(TorchFunctionMode):
         # inside deferred_init makes plain fakes; a user's mode above ours
         # sees every op): while the dispatch stack has the depth it had then.
         self.partner_depth = -1
+        # (function, first argument) of the Python bodies running through this mode.
+        self.bodies: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        meant = _backend_stands_for(args) if type(func) not in _OPERATORS else None
+        if meant is not None:
+            with backend_stands_for(meant):
+                return self.__torch_function__(func, types, args, kwargs)
         fast = self.fast.get(func)
         if fast is not None and _dispatch_depth() == self.partner_depth:
             result = fast(self.context, args, kwargs or {})
@@ -68,12 +76,21 @@ class FakeFunctionMode(TorchFunctionMode):
             return deepcopy_tensor(args[0], args[1])
         if type(func) is FunctionType and _skip_one_hop is not None:
             # A Python function with a torch-function prologue (nn.init.*,
-            # F.*): run its body with this mode still active, so that the
-            # calls inside it are seen here too (devices, fast paths).
+            # F.*, Tensor.backward): run its body with this mode still
+            # active, so that the calls inside it are seen here too (devices,
+            # fast paths).
+            key = (func, id(args[0]) if args else None)
+            if key in self.bodies:
+                # A Python Tensor method (Tensor.unflatten) calling its C
+                # method through super(), which reports the same function:
+                # the C method is what is meant.
+                return getattr(torch._C.TensorBase, func.__name__)(*args, **kwargs)
             _push(self)
+            self.bodies.append(key)
             try:
                 return _skip_one_hop(func, types, args, kwargs)
             finally:
+                self.bodies.pop()
                 _pop()
         if func is torch.Tensor.to:
             return tensor_to(args[0], args[1:], kwargs, self.fake_cuda, fake=isinstance(args[0], FakeTensor))
@@ -84,9 +101,43 @@ class FakeFunctionMode(TorchFunctionMode):
         return rewrite_call(func, args, kwargs, self.fake_cuda)
 
 
+# Operators called directly (DTensor running its local computation): their
+# explicit devices are the caller's, never C++ options.
+_OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def _backend_stands_for(args):
+    """The device of the fake ``args`` start with when its C++ side is on CPU.
+
+    C++ composites build temporaries with the options of their first tensor
+    (``rms_norm`` casting back to bf16, the masks of SDPA's fallback), whose
+    C++ device is CPU where this build lacks the fake's backend (see
+    ``fake.device.backend_device``): inside such a call, those CPU devices
+    mean the fake's (``fake.dispatch``).
+    """
+    if not args:
+        return None
+    first = args[0]
+    if type(first) in (list, tuple) and first:
+        first = first[0]
+    if not isinstance(first, FakeTensor):
+        return None
+    device = first.__dict__["_device"]
+    if device.type == "cpu" or backend_device(device) == device or backend_meant() == device:
+        return None
+    return device
+
+
 class FakeDispatchMode(TorchDispatchMode):
     """Hands every operator to a handler: the plain fake handler, or the
-    recorder of ``deferinit`` (``context`` is then its record)."""
+    recorder of ``deferinit`` (``context`` is then its record).
+
+    The mode of :func:`fake_mode` (``yields=True``) stays below the other
+    dispatch modes that are active when it is entered, as PyTorch's own
+    FakeTensorMode does: a ``MemTracker`` or ``FlopCounterMode`` sees every
+    operator whichever of the two blocks is the outer one, and tensor
+    subclasses of others (DTensor) handle their operators first.
+    """
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -94,24 +145,83 @@ class FakeDispatchMode(TorchDispatchMode):
         # that would cost a frame on every operator.
         return False
 
-    def __init__(self, handler, context=None) -> None:
+    def __init__(self, handler, context=None, yields: bool = False) -> None:
         super().__init__()
         self.handler = handler
         self.context = context
+        self.yields = yields
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.yields:
+            for t in types:
+                if t is not torch.Tensor and not issubclass(t, FakeTensor):
+                    return NotImplemented  # DTensor & co. first: they call back with fakes
         kwargs = kwargs or {}
         handler = handlers.for_args(args, kwargs)
         if handler is handlers.plain():
             handler = self.handler
         return handler.dispatch(func, args, kwargs, self.context)
 
+    def __enter__(self):
+        super().__enter__()
+        if self.yields:
+            _sink(self)
+        return self
+
+    def __exit__(self, *exc):
+        if self.yields:
+            _surface(self)
+        return super().__exit__(*exc)
+
+
+_len_dispatch = torch._C._len_torch_dispatch_stack
+_dispatch_at = torch._C._get_dispatch_stack_at
+_pop_dispatch = torch._C._pop_torch_dispatch_stack
+_push_dispatch = torch._C._push_on_torch_dispatch_stack
+
+
+def _sink(mode) -> None:
+    """Move ``mode`` (on top) below the dispatch modes of others above our own."""
+    above = []
+    n = _len_dispatch() - 1
+    while n > 0:
+        below = _dispatch_at(n - 1)
+        if isinstance(below, FakeDispatchMode) or below.is_infra_mode():
+            break
+        above.append(below)
+        n -= 1
+    if not above:
+        return
+    _pop_dispatch(None)
+    for _ in above:
+        _pop_dispatch(None)
+    _push_dispatch(mode)
+    for other in reversed(above):
+        _push_dispatch(other)
+
+
+def _surface(mode) -> None:
+    """Bring ``mode`` back to the top, so that leaving it pops it."""
+    above = []
+    n = _len_dispatch()
+    while n > 0 and _dispatch_at(n - 1) is not mode:
+        above.append(_dispatch_at(n - 1))
+        n -= 1
+    if not above or n == 0:
+        return  # on top already, or not on the stack at all
+    for _ in above:
+        _pop_dispatch(None)
+    _pop_dispatch(None)
+    for other in reversed(above):
+        _push_dispatch(other)
+    _push_dispatch(mode)
+
 
 @contextlib.contextmanager
-def fake_modes(handler, context=None, fake_cuda: bool = True):
+def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = False):
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
     function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
-    dispatch_mode = FakeDispatchMode(handler, context)
+    dispatch_mode = FakeDispatchMode(handler, context, yields)
     with function_mode, dispatch_mode:
         function_mode.partner_depth = _dispatch_depth()
         yield
@@ -127,6 +237,14 @@ def fake_mode(*, fake_cuda: bool = False):
     without it such a request fails as PyTorch fails.  Nested blocks work and
     the mode is per thread.
 
+    Inside the block, tensors of a deferred model (``deferinit``) compute on
+    their shadows like any fake, and their record is left as it is: a
+    training step planned here changes nothing that materialization will
+    produce.  Other dispatch modes (``MemTracker``, ``FlopCounterMode``)
+    see every operator, whether they are entered inside or outside the
+    block.  Small tensors made from Python numbers keep their values (see
+    :mod:`fake.constants`), so optimizers can step.
+
     Example::
 
         >>> with fake_mode(fake_cuda=True):
@@ -135,5 +253,5 @@ def fake_mode(*, fake_cuda: bool = False):
         Parameter containing:
         tensor(..., size=(4096, 4096), device='cuda:0', requires_grad=True, fake=True)
     """
-    with fake_modes(handlers.plain(), None, fake_cuda):
+    with fake_modes(handlers.plain(), None, fake_cuda, yields=True), planning():
         yield

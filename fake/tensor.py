@@ -1,10 +1,11 @@
-"""``FakeTensor``: a tensor with a device, a shape and no storage.
+"""``FakeTensor``: a tensor with a device, a shape and no data.
 
 A fake tensor is a wrapper subclass: the Python object reports the device it
 pretends to live on (also ``cuda`` on a CPU-only build), its shape, dtype,
 strides and ``requires_grad``, and owns no memory.  Beside it lives a meta
 tensor of the same geometry, its *shadow*, on which every operator actually
-runs (see :mod:`fake.dispatch`).
+runs (see :mod:`fake.dispatch`); the shadow's storage, which knows its size
+but holds no bytes, is the fake's storage (see :mod:`fake.storage`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
 from .device import backend_device, normalize
 from .errors import FakeDataAccessError
+from .storage import storage_of
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
 
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
@@ -28,9 +30,14 @@ INTERNAL_ATTRS = frozenset(
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 
+_TYPED_STORAGE_HINT = (
+    "Typed storages are deprecated and read data; untyped_storage() gives the size of a "
+    "fake's memory (nbytes()) without reading it."
+)
+
 
 class FakeTensor(torch.Tensor):
-    """A tensor without storage that reports a real device.
+    """A tensor without data that reports a real device.
 
     Create fakes with :func:`fake.fake_mode` (or ``deferinit.deferred_init``);
     the constructor is the low-level door: it takes the meta *shadow* and
@@ -192,13 +199,14 @@ class FakeTensor(torch.Tensor):
         raise FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
 
     def untyped_storage(self):
-        raise FakeDataAccessError("untyped_storage()", describe(self), "A fake tensor has no storage.")
+        # The shadow's meta storage, shared by every alias (see fake/storage.py).
+        return storage_of(self.__dict__["_shadow"])
 
     def storage(self):
-        raise FakeDataAccessError("storage()", describe(self), "A fake tensor has no storage.")
+        raise FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT)
 
     def _typed_storage(self):
-        raise FakeDataAccessError("storage()", describe(self), "A fake tensor has no storage.")
+        raise FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT)
 
     def __dlpack__(self, *args, **kwargs):
         raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")

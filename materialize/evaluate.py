@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 from deferinit.errors import DataDependentError
-from deferinit.where import constructing
+from deferinit.where import recording
 from fake.device import exists
 from fake.tensor import describe
 
@@ -39,8 +39,8 @@ def evaluate(fakes, operation: str):
     for fake in fakes:
         if not exists(fake.device):
             raise DataDependentError(
-                f"{operation} on a deferred tensor {describe(fake)} needs its value while "
-                f"recording (constructing {constructing()}), and {fake.device} does not "
+                f"{operation} on a deferred tensor {describe(fake)} needs its value "
+                f"{recording()}, and {fake.device} does not "
                 "exist in this process, so the value eager init would see cannot be computed. "
                 "Record on a device that exists here (e.g. device='cpu') and move the module "
                 "later, or avoid reading tensor values in the constructor."
@@ -49,8 +49,8 @@ def evaluate(fakes, operation: str):
     size = _closure_bytes(replay)
     if size > LIMIT_BYTES:
         raise DataDependentError(
-            f"{operation} on a deferred tensor {describe(fakes[0])} needs its value while "
-            f"recording (constructing {constructing()}); computing it would allocate about "
+            f"{operation} on a deferred tensor {describe(fakes[0])} needs its value "
+            f"{recording()}; computing it would allocate about "
             f"{size / 2**20:.0f} MiB (limit DEFERINIT_EVAL_LIMIT_BYTES={LIMIT_BYTES}). Raise the "
             "limit, or avoid reading tensor values in the constructor."
         )

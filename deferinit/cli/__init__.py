@@ -1,10 +1,11 @@
 """The ``deferinit`` command line (also ``python -m deferinit``).
 
-Three commands::
+Four commands::
 
     deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config FILE|DIR|MODEL_ID]
                      [--device D] [--dtype T] [--shard N]
     deferinit graph   TARGET [ARG ...] [...] -o FILE [--module M] [--depth N] [--expand]
+    deferinit plan    TARGET [ARG ...] [...] --batch BxS | --input SHAPE [--shard N]
     deferinit demo    [--size 70b|tiny] [--seed S] [-o FILE]
 
 ``TARGET`` is ``module:callable`` (``torch.nn:Transformer``,
@@ -20,6 +21,7 @@ Example::
 
     $ deferinit inspect torch.nn:Transformer -k d_model=1024 -k nhead=16 --shard 8
     $ deferinit graph torch.nn:TransformerEncoderLayer 64 4 -o layer.svg
+    $ deferinit plan deferinit.demo:Llama --dtype bfloat16 --batch 1x4096 --shard 8
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 
 from . import commands
 from .errors import CommandError, ConstructorError, TargetError, UsageError
+from .plan import OPTIMIZERS, plan
 from .targets import first_line
 
 PROG = "deferinit"
@@ -90,6 +93,20 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-legend", action="store_true", help="leave out the legend")
     p.add_argument("--rankdir", default="LR", choices=["LR", "TB"], help="layout: left to right (default) or top to bottom")
     p.set_defaults(run=commands.graph)
+
+    p = sub.add_parser("plan", parents=[common, target], help="measure one training step on fake devices (no memory)",
+                       description="Build TARGET deferred and run one training step (forward, backward, optimizer "
+                                   "step) on fake devices under PyTorch's MemTracker and FlopCounterMode: peak memory "
+                                   "per device by category, per top-level module, and FLOPs. Nothing is allocated.")
+    p.add_argument("--batch", metavar="BxS", help="token ids of BATCH x SEQUENCE (models with an nn.Embedding or config.vocab_size)")
+    p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]",
+                   help="a positional input, e.g. 2x3x224x224 (random, the model's dtype) or 2x16:int64; repeatable")
+    p.add_argument("--shard", type=int, metavar="N", help="shard with FSDP2 over N ranks (fake process group) and show one rank")
+    p.add_argument("--rank", type=int, metavar="R", help="the rank shown with --shard (default 0)")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="default adamw (lr 1e-4)")
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
+                   help="the optimizer's foreach implementation (default: what PyTorch picks on the device)")
+    p.set_defaults(run=plan)
 
     p = sub.add_parser("demo", parents=[common], help="defer a 70B Llama-shaped model, inspect, draw, check a block",
                        description="Build a Llama-3-70B-shaped model deferred, print its table, draw it, "

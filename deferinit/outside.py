@@ -1,0 +1,104 @@
+"""Operations on deferred tensors after ``deferred_init`` returned: record, or compute as fakes.
+
+Changing a deferred model before it is real is recorded, so that
+materialization replays it: sharding (``fully_shard``, ``distribute_tensor``),
+``module.half()``, ``load_state_dict``, ``with torch.no_grad():
+m.weight.mul_(2)``.  Running the model is not: a forward pass, a backward
+pass or an optimizer step on a deferred model computes on fakes (shapes,
+no values), like any fake, and leaves the record alone, since recording it
+would grow the record with every batch and replay the training at
+materialization.  So an operation on a deferred tensor outside
+``deferred_init`` is computed as a plain fake, unrecorded, when
+
+* a ``fake_mode`` block is open: running fakes is what it is for (planning
+  memory with ``MemTracker``, FLOPs with ``FlopCounterMode``); writes
+  change the fakes' shadows only;
+* a module's forward, autograd's backward or an optimizer's ``step`` is
+  running: the module gets a :class:`~deferinit.errors.DeferredModuleWarning`
+  once, and a write to a deferred tensor raises
+  :class:`~deferinit.errors.DeferredWriteError`, as it could neither be
+  recorded faithfully nor silently dropped;
+* an argument is a fake whose values are unknown (computed by the above):
+  the result has unknown values too; writing it into a deferred tensor
+  raises :class:`~deferinit.errors.DeferredWriteError`.
+
+Everything else is recorded as before.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+from fake.state import in_fake_mode
+from fake.tensor import FakeTensor, describe
+
+from .errors import DeferredModuleWarning, DeferredWriteError
+from .where import tensor_name, training
+
+# Modules already warned about (once each).
+_warned: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _is_deferred(x) -> bool:
+    return isinstance(x, FakeTensor) and x._record is not None
+
+
+def _has_plain_fake(args, kwargs) -> bool:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, FakeTensor) and a._record is None:
+            return True
+        if type(a) in (list, tuple):
+            for b in a:
+                if isinstance(b, FakeTensor) and b._record is None:
+                    return True
+    return False
+
+
+def computes_plain(func, info, args, kwargs) -> bool:
+    """Whether an operation on deferred tensors, outside ``deferred_init``, is
+    computed as plain fakes instead of recorded (raises for forbidden writes)."""
+    if in_fake_mode():
+        return True
+    module, optimizer, backward = training()
+    if module is None and optimizer is None and not backward:
+        if not _has_plain_fake(args, kwargs):
+            return False
+    if info.writes:
+        for w in info.written(args, kwargs):
+            if _is_deferred(w):
+                raise DeferredWriteError(_write_message(func, w, module, optimizer, backward))
+    if module is not None and module not in _warned:
+        _warned.add(module)
+        warnings.warn(_warning(module), DeferredModuleWarning, stacklevel=2)
+    return True
+
+
+def _warning(module) -> str:
+    cls = type(module).__name__
+    return (
+        f"{cls} is still deferred: its parameters and buffers have no values yet, so this "
+        "forward pass computes on fake tensors (shapes only) and is not recorded. Call "
+        "materialize_module(model) first to compute real values, or run the pass inside "
+        "fake.fake_mode() to plan memory and FLOPs (no warning there). Shown once per module."
+    )
+
+
+def _write_message(func, tensor, module, optimizer, backward) -> str:
+    name = tensor_name(module, tensor) if module is not None else None
+    what = f"the deferred tensor {name} {describe(tensor)}" if name else f"a deferred tensor {describe(tensor)}"
+    if module is not None:
+        during = f"during a forward pass of {type(module).__name__}, which is still deferred"
+    elif optimizer is not None:
+        during = f"during a step of {type(optimizer).__name__} on parameters that are still deferred"
+    elif backward:
+        during = "during a backward pass through a model that is still deferred"
+    else:
+        during = "with values computed on fakes (by a forward pass of a model that is still deferred)"
+    return (
+        f"{func} writes {what} {during}. Such a computation runs on fakes and is not "
+        "recorded, so this write could neither be recorded faithfully nor dropped without "
+        "changing what you asked for. Run the training step inside fake.fake_mode() to plan it "
+        "(writes then touch fakes only, and materialization still gives eager construction's "
+        "values), or materialize the model first: materialize_module(model)."
+    )

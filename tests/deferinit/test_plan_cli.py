@@ -1,0 +1,126 @@
+"""``deferinit plan`` (issue 13), run in a subprocess as a user would.
+
+The figures it prints are checked against the same step measured in this
+process on a real model: PyTorch's MemTracker and FlopCounterMode over the
+real CPU run.
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deferinit.cli.planreport import fmt_flops
+from deferinit.cli.step import measure_step
+from deferinit.demo import LLAMA_TINY, Llama
+from deferinit.text import fmt_bytes
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+TARGETS = '''
+import torch.nn as nn
+from deferinit.demo import Llama, LLAMA_TINY
+
+def tiny(device=None, dtype=None):
+    return Llama(LLAMA_TINY, device=device, dtype=dtype)
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1))
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+'''
+
+
+def plan(*args, cwd, timeout=600):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "deferinit", "plan", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def cells(out: str, label: str) -> list[str]:
+    for line in out.splitlines():
+        if line.strip().startswith(label + "  ") or line.strip() == label:
+            return re.split(r"\s{2,}", line.strip())
+    raise AssertionError(f"no row {label!r} in:\n{out}")
+
+
+@pytest.fixture()
+def targets(tmp_path):
+    (tmp_path / "targets.py").write_text(TARGETS)
+    return tmp_path
+
+
+def test_plan_prints_the_real_runs_peak_per_category_and_module(targets):
+    r = plan("targets.py:tiny", "--batch", "2x16", "--device", "cpu", cwd=targets)
+    assert r.returncode == 0, r.stderr
+    torch.manual_seed(0)
+    model = Llama(LLAMA_TINY)
+    ids = torch.randint(0, LLAMA_TINY.vocab_size, (2, 16))
+    real = measure_step(model, (ids,), {}, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False), token_ids=ids)
+    peak = real.peak[torch.device("cpu")]
+    out = r.stdout
+    assert "one training step (forward, backward, AdamW step) on fake cpu" in out
+    after = real.after[torch.device("cpu")]
+    for category, label in [("PARAM", "parameters"), ("GRAD", "gradients"), ("OPT", "optimizer state"),
+                            ("ACT", "activations"), ("Total", "total")]:
+        expected = [fmt_bytes(snap[category]) if snap.get(category) else "-" for snap in (peak, after)]
+        assert cells(out, label)[1:3] == expected, label
+    assert cells(out, "layers.0-3 (4 x DecoderLayer)")[1] == fmt_bytes(
+        sum(p.numel() * 4 for layer in model.layers for p in layer.parameters()))
+    assert f"FLOPs per step (FlopCounterMode): {fmt_flops(real.flops)} ({real.flops:,})" in out
+    for row in ("(whole model)", "embed_tokens", "norm", "lm_head"):
+        assert cells(out, row)[2] in ("forward", "backward")
+
+
+def test_plan_on_fake_cuda_with_fsdp2_shows_one_rank(targets):
+    r = plan("targets.py:tiny", "--batch", "2x16", "--shard", "4", "--rank", "1", "--dtype", "bfloat16", cwd=targets)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "on fake cuda:0, rank 1 of 4 (FSDP2, fake process group)" in out and "FSDPMemTracker" in out
+    shard = sum(p.numel() * 2 for p in Llama(LLAMA_TINY).parameters()) / 4
+    local = cells(out, "parameters (local shard)")[1]
+    assert local.endswith("KiB") and abs(float(local.split()[0]) * 1024 - shard) < 0.06 * shard  # padding aside
+    for label in ("parameters (gathered)", "all-gather buffers", "reduce-scatter buffers", "activations"):
+        assert cells(out, label)
+    assert "AdamW foreach step" in out  # what PyTorch picks for CUDA tensors
+
+
+def test_plan_takes_other_inputs_and_optimizers(targets):
+    r = plan("targets.py:CNN", "--input", "4x3x16x16", "--optimizer", "sgd", "--no-foreach", cwd=targets)
+    assert r.returncode == 0, r.stderr
+    assert "SGD step" in r.stdout and "inputs 4x3x16x16" in r.stdout
+    assert cells(r.stdout, "features")[2] in ("forward", "backward")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["torch.nn:Linear", "4", "4"], "plan needs inputs"),
+    (["torch.nn:Linear", "4", "4", "--batch", "2x3"], "no nn.Embedding"),
+    (["targets.py:tiny", "--batch", "2x"], "expected sizes joined by x"),
+    (["targets.py:tiny", "--batch", "2x3x4"], "BATCHxSEQUENCE"),
+    (["targets.py:tiny", "--batch", "2x3", "--rank", "1"], "--rank R needs --shard N"),
+    (["targets.py:tiny", "--batch", "2x3", "--shard", "0"], "--shard must be at least 1"),
+    (["targets.py:CNN", "--input", "2x3x8x8:floaty"], "not a torch dtype"),
+])
+def test_bad_plan_input_is_one_line_and_status_2(targets, args, message):
+    r = plan(*args, cwd=targets)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_plan_of_a_70b_llama_sharded_over_8(tmp_path):
+    r = plan("deferinit.demo:Llama", "--dtype", "bfloat16", "--batch", "1x4096", "--shard", "8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "layers.0-79 (80 x FSDPDecoderLayer)" in out and "rank 0 of 8" in out
+    # one rank holds an eighth of the 141 GB of bf16 weights
+    assert cells(out, "parameters (local shard)")[1] == fmt_bytes(70553706496 * 2 / 8)
