@@ -93,6 +93,12 @@ def _factory(op, keys):
             return NotImplemented
         if dtype is None:
             dtype = torch.get_default_dtype()
+        elif type(dtype) is not _DTYPE:
+            # The node holds what the dispatcher would get: PyTorch's parser
+            # turns bool/int/float/complex into torch dtypes.
+            dtype = _PYTHON_DTYPES.get(dtype)
+            if dtype is None:
+                return NotImplemented  # the general path raises eager's TypeError
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             shadow = torch.empty(size, dtype=dtype, device=_META)
         node = Node("op", op, [size, dtype, device, False], _FACTORY_SPEC)
@@ -104,6 +110,9 @@ def _factory(op, keys):
     return factory
 
 
+_DTYPE = torch.dtype
+# As PyTorch's argument parser maps them (bool, int64, float64, complex128).
+_PYTHON_DTYPES = {t: torch._C._nn._parse_to(t)[1] for t in (bool, int, float, complex)}
 _FACTORY_KEYS = ("dtype", "device", "requires_grad", "layout", "pin_memory")
 _CONTIGUOUS = torch.contiguous_format
 # The flattened form of op(size, dtype=, device=, pin_memory=), size a leaf.

@@ -30,6 +30,7 @@ _pop = torch._C._pop_torch_function_stack
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+_parse_to = torch._C._nn._parse_to
 
 
 # Calls that may need a device rewritten even without keyword arguments.
@@ -62,6 +63,9 @@ class FakeFunctionMode(TorchFunctionMode):
             # Most calls (dim(), size(), add()...): nothing to rewrite.
             return func(*args)
         kwargs = kwargs or {}
+        if func is _parse_to:
+            # nn.Module.to parses its arguments: a device is only read there.
+            return func(*args, **kwargs)
         if func is torch.Tensor.__deepcopy__:
             # A real tensor deep-copied under a fake mode (a template module
             # inside deferred_init): its copy is fake, laid out as eager's.

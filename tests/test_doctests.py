@@ -12,6 +12,7 @@ MODULES = [
     "fake.tensor",
     "fake.mode",
     "fake.device",
+    "fake.function",
     "fake.errors",
     "deferinit",
     "deferinit.session",
