@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 
 from fake import handlers
-from fake.flat import flatten
+from fake.flat import flatten, flatten_output, unflatten, unflatten_output
 from fake.bypass import no_python_dispatch
-from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, writes_real
+from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, views_real, writes_real
 from fake.opinfo import op_info
-from fake.errors import UnsupportedOperatorError
+from fake.errors import FakeDataAccessError, UnsupportedOperatorError
 from fake.tensor import FakeTensor, describe
 
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
@@ -56,20 +56,29 @@ class Recorder(FakeHandler):
 
     def dispatch(self, func, args, kwargs, context):
         if func in DATA_OPS:
-            return self._data_op(func, args, kwargs)
+            return self._data_op(func, args, kwargs, DATA_OPS[func])
         if func in LIFT_OPS and not isinstance(args[0], FakeTensor) and args[0].device.type != "meta":
             return self.constant(args[0], args[0].device)
         if func.namespace in COLLECTIVE_NAMESPACES:  # c10d ops: see deferinit/collectives.py
             return record_collective(self, func, args, kwargs)
         info = op_info(func)
-        if writes_real(info, args, kwargs):
+        if info.reads_data is not None:
+            return self._data_op(func, args, kwargs, info.reads_data)
+        if writes_real(info, args, kwargs) or views_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
         record = context if context is not None else _record_of(args, kwargs)
 
         try:
             call = run(func, args, kwargs, info)
         except UnsupportedOperatorError as e:
+            if getattr(e, "data_dependent", False):
+                # nonzero, boolean masks: the shape is read from the values,
+                # which are computed as for item().
+                return self._data_op(func, args, kwargs, f"torch.{info.opname}()")
             raise UnsupportedOperatorError(f"{e} (while constructing {constructing()})") from None
+        except FakeDataAccessError as e:
+            # Its kernel reads values (item() inside): computed like item().
+            return self._data_op(func, args, kwargs, e.operation)
         if call.device.type == "meta":
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
@@ -253,15 +262,24 @@ class Recorder(FakeHandler):
 
     # -- data -------------------------------------------------------------------
 
-    def _data_op(self, func, args, kwargs):
-        fakes = [a for a in args if isinstance(a, FakeTensor)]
-        name = DATA_OPS[func]
+    def _data_op(self, func, args, kwargs, name):
+        """An operator that reads values (``item()``, ``torch.allclose``), run on
+        the current values of its deferred inputs; tensors it returns become
+        constants of the record."""
+        flat, spec = flatten(args, kwargs)
+        fakes = [a for a in flat if isinstance(a, FakeTensor)]
 
         def compute(*reals):
             it = iter(reals)
-            real_args = [next(it) if isinstance(a, FakeTensor) else a for a in args]
+            real_flat = [next(it) if isinstance(a, FakeTensor) else a for a in flat]
             with no_python_dispatch():
-                return func(*real_args, **kwargs)
+                result = func(*unflatten(real_flat, spec)[0], **unflatten(real_flat, spec)[1])
+            out, how = flatten_output(result)
+            if not any(isinstance(y, torch.Tensor) for y in out):
+                return result
+            like = fakes[0] if fakes else None
+            out = [self.constant(y, y.device, like) if isinstance(y, torch.Tensor) else y for y in out]
+            return unflatten_output(out, how)
 
         return self.data_access(name, fakes, compute)
 

@@ -117,8 +117,18 @@ def _hidden_writes() -> dict:
 HIDDEN_WRITES = _hidden_writes()
 
 
+def _reads_data(func) -> str | None:
+    """How to name ``func`` when it returns a number read from tensor data
+    (PyTorch tags such operators ``data_dependent_output``: ``allclose``)."""
+    if torch.Tag.data_dependent_output not in func.tags:
+        return None
+    if any("Tensor" in str(r.type) for r in func._schema.returns):
+        return None
+    return f"torch.{func._opname}()"
+
+
 class OpInfo:
-    __slots__ = ("func", "opname", "writes", "hidden", "view_arg", "random", "dtype_kwarg", "skip_meta", "_checks")
+    __slots__ = ("func", "opname", "writes", "hidden", "view_arg", "random", "dtype_kwarg", "skip_meta", "_checks", "reads_data")
 
     def __init__(self, func):
         schema = func._schema
@@ -142,6 +152,7 @@ class OpInfo:
         self.dtype_kwarg = any(a.name == "dtype" for a in schema.arguments)
         self._checks = _SKIP_META.get(func)
         self.skip_meta = self._checks is not None
+        self.reads_data = _reads_data(func)
 
     def arg(self, args, kwargs, index):
         a = self.func._schema.arguments[index]
