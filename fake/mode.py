@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
 from .copying import deepcopy_tensor
+from .subclass import accepting_fakes
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .tensor import FakeTensor
 
@@ -116,7 +117,7 @@ def fake_modes(handler, context=None, fake_cuda: bool = True):
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
     function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
     dispatch_mode = FakeDispatchMode(handler, context)
-    with function_mode, dispatch_mode:
+    with accepting_fakes(), function_mode, dispatch_mode:
         function_mode.partner_depth = _dispatch_depth()
         yield
 

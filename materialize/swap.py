@@ -33,7 +33,8 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     """
     d = fake.__dict__
     floating = real.is_floating_point() or real.is_complex()
-    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else None
+    # A Parameter (or subclass), or a tensor subclass made from a fake (fake.subclass).
+    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
     grad_fn = grad_fn_of(fake)
     if inference or fake.is_inference():
         # Eager construction under inference_mode() records no graph: what

@@ -13,6 +13,8 @@ MODULES = [
     "fake.mode",
     "fake.device",
     "fake.function",
+    "fake.patch",
+    "fake.subclass",
     "fake.errors",
     "deferinit",
     "deferinit.session",
