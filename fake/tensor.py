@@ -19,6 +19,7 @@ from .copying import deepcopy_tensor
 from .device import backend_device, normalize
 from .errors import FakeDataAccessError
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
+from .storage_set import fake_set_
 
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
@@ -143,6 +144,9 @@ class FakeTensor(torch.Tensor):
 
     def type_as(self, other):
         return tensor_type_as(self, other, fake=True)
+
+    def set_(self, *args, **kwargs):
+        return fake_set_(self, args, kwargs, INTERNAL_ATTRS)
 
     def new_empty(self, *args, **kwargs):
         return _new(torch.Tensor.new_empty, self, args, kwargs)

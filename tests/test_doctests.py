@@ -15,6 +15,7 @@ MODULES = [
     "fake.function",
     "fake.patch",
     "fake.subclass",
+    "fake.storage_set",
     "fake.errors",
     "deferinit",
     "deferinit.session",
