@@ -21,6 +21,7 @@ import torch
 from fake.device import normalize
 from fake.flat import flatten
 from fake.function import default_device
+from fake.checks import check_arguments
 from fake.opinfo import op_info
 from fake.state import current_intended_device
 from fake.tensor import FakeTensor, make_fake
@@ -144,7 +145,6 @@ def _fill(op):
     names = [a.name for a in params]
     defaults = [a.default_value for a in params]
     random = info.random
-    skip_meta = info.skip_meta
     specs: dict = {}
 
     def fill(record, args, kwargs):
@@ -176,12 +176,9 @@ def _fill(op):
         for x in scalars:
             if type(x) is not float and type(x) is not int and type(x) is not bool:
                 return NotImplemented
-        if skip_meta:
-            info.check(self, (self, *scalars), {})
-        else:
-            # fill_/zero_: their meta kernels are cheap C++ and check the value.
-            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-                op(d["_shadow"], *scalars)
+        shadow = d["_shadow"]
+        # Eager's argument checks, which meta kernels skip (fake.checks).
+        check_arguments(op, (shadow, *scalars), {"generator": generator} if generator is not None else {}, (shadow,))
         shape = (len(scalars), generator is not None)
         spec = specs.get(shape)
         if spec is None:

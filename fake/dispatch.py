@@ -12,6 +12,7 @@ import torch
 
 from . import handlers
 from .bypass import no_python_dispatch
+from .checks import check_arguments
 from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
@@ -104,13 +105,16 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         else:
             device = common_device(info.opname, tensor_devices) or CPU
 
+    margs, mkwargs = unflatten(metas, spec)
+    if device.type != "meta":
+        # What eager kernels reject and meta kernels let through (fake.checks).
+        check_arguments(func, margs, mkwargs, info.written(margs, mkwargs) if info.writes else ())
+
     if info.skip_meta and isinstance(args[0], FakeTensor):
         # An in-place random fill: the result is the input, geometry unchanged.
         owner = args[0]
-        info.check(owner, args, kwargs)
         return Call(info, flat, spec, owner, device, [owner], [], [owner])
 
-    margs, mkwargs = unflatten(metas, spec)
     try:
         with no_python_dispatch():
             result = func(*margs, **mkwargs)

@@ -48,7 +48,8 @@ def refusal(func) -> str | None:
     return None
 
 
-def _extent(t: torch.Tensor) -> int:
+def extent(t: torch.Tensor) -> int:
+    """Elements of storage ``t`` spans, its offset included."""
     if 0 in t.size():
         return t.storage_offset()
     return t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))
@@ -57,11 +58,11 @@ def _extent(t: torch.Tensor) -> int:
 def standin_bytes(margs, mkwargs) -> int:
     """Bytes the stand-ins of the meta tensors in ``margs``/``mkwargs`` would take."""
     flat, _ = flatten(margs, mkwargs)
-    return sum(_extent(x) * x.dtype.itemsize for x in flat if isinstance(x, torch.Tensor) and x.is_meta)
+    return sum(extent(x) * x.dtype.itemsize for x in flat if isinstance(x, torch.Tensor) and x.is_meta)
 
 
 def _standin(meta: torch.Tensor, fill) -> torch.Tensor:
-    n = _extent(meta)
+    n = extent(meta)
     if fill is not None and (meta.dtype.is_floating_point or meta.dtype.is_complex):
         storage = torch.rand(n, dtype=meta.dtype, generator=fill)
     else:
@@ -132,14 +133,14 @@ def _to_meta(result, standins):
         meta = by_object.get(id(y))
         if meta is not None:  # an input written in place
             if meta.size() != y.size() or meta.stride() != y.stride():
-                meta.resize_(_extent(y)).as_strided_(y.size(), y.stride(), y.storage_offset())
+                meta.resize_(extent(y)).as_strided_(y.size(), y.stride(), y.storage_offset())
             out_flat[i] = meta
             continue
         base = by_storage.get(_address(y))
         if base is not None:  # a view of an input
             out_flat[i] = base.as_strided(y.size(), y.stride(), y.storage_offset())
         else:
-            out_flat[i] = torch.empty(_extent(y), dtype=y.dtype, device=_META).as_strided(
+            out_flat[i] = torch.empty(extent(y), dtype=y.dtype, device=_META).as_strided(
                 y.size(), y.stride(), y.storage_offset()
             )
     return out_flat[0] if how is None else unflatten_output(out_flat, how)

@@ -16,6 +16,7 @@ MODULES = [
     "fake.patch",
     "fake.subclass",
     "fake.storage_set",
+    "fake.checks",
     "fake.errors",
     "deferinit",
     "deferinit.session",
