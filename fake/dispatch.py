@@ -165,8 +165,9 @@ def _without_meta_kernel(func, margs, mkwargs, error):
     if reason is None:
         size = standin_bytes(margs, mkwargs)
         if size > STANDIN_LIMIT_BYTES:
+            amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
             reason = (
-                f"its output geometry would be computed on {size / 2**20:.1f} MiB of stand-ins "
+                f"its output geometry would be computed on {amount} of stand-ins "
                 f"(limit DEFERINIT_STANDIN_LIMIT_BYTES={STANDIN_LIMIT_BYTES})"
             )
         else:

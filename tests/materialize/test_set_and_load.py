@@ -150,3 +150,12 @@ def test_load_into_a_deferred_buffer_after_deferral():
         t = torch.empty(0)
         assert t.set_(storage, 1, (3,), (1,)) is t and not is_fake(t)
     assert torch.equal(t, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_real_storage_on_another_device_fails_as_eager():
+    storage = torch.arange(4.0).untyped_storage()
+    with pytest.raises(RuntimeError) as eager:
+        torch.empty(0, device="meta").set_(storage)
+    with pytest.raises(RuntimeError) as deferred:
+        deferred_init(lambda: torch.empty(0, device="cuda").set_(storage))
+    assert str(deferred.value) == str(eager.value).replace('"meta"', '"cuda:0"')
