@@ -23,7 +23,8 @@ and messages are eager's):
 
 Checks on the *values* of tensor arguments (an index out of range, negative
 probabilities for ``multinomial``) need the data and happen at
-materialization.  Passing checks are cached per operator, dtype and scalars.
+materialization.  Passing checks are cached per operator, argument dtypes
+and shapes, and scalars.
 """
 
 from __future__ import annotations
@@ -125,18 +126,30 @@ def _small_shape(t: torch.Tensor) -> tuple:
     return tuple(min(n, 2) for n in t.shape)
 
 
-def _key(func, flat):
-    parts = [func]
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            parts.append((x.dtype, _small_shape(x)))
-        elif isinstance(x, (torch.Generator, torch.device)):
-            parts.append(type(x))
-        elif isinstance(x, (list, tuple)):
-            parts.append(tuple(min(n, 2) if type(n) is int else n for n in x))
-        else:
-            parts.append((type(x), x))
-    return tuple(parts)
+_SCALAR_TYPES = frozenset({float, int, bool})
+
+
+def _part(x):
+    t = type(x)
+    if t in _SCALAR_TYPES or x is None:
+        return (t, x)
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.shape)
+    if isinstance(x, (torch.Generator, torch.device)):
+        return type(x)
+    if isinstance(x, list):
+        return tuple(x)
+    return (type(x), x)
+
+
+def _key(func, args, kwargs):
+    key = [func]
+    for x in args:
+        key.append(_part(x))
+    for name, x in kwargs.items():
+        key.append(name)
+        key.append(_part(x))
+    return tuple(key)
 
 
 def _small(t: torch.Tensor) -> torch.Tensor:
@@ -146,13 +159,13 @@ def _small(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_small(func, facts, args, kwargs) -> None:
-    flat, spec = flatten(args, kwargs)
     try:
-        key = _key(func, flat)
+        key = _key(func, args, kwargs)
         if key in _passed:
             return
     except TypeError:  # unhashable: check every time
         key = None
+    flat, spec = flatten(args, kwargs)
     with no_python_dispatch():
         small = []
         for x in flat:
@@ -198,7 +211,7 @@ def _shrink_sizes(func, a, k):
 
 
 def _overlaps(t) -> bool:
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
         return False
     for n, s in zip(t.shape, t.stride()):
         if s == 0 and n > 1:
