@@ -71,12 +71,15 @@ class Recorder(FakeHandler):
         try:
             call = run(func, args, kwargs, info)
         except UnsupportedOperatorError as e:
-            if getattr(e, "data_dependent", False):
+            if getattr(e, "data_dependent", False) and not info.writes:
                 # nonzero, boolean masks: the shape is read from the values,
-                # which are computed as for item().
+                # which are computed as for item().  (A write computed on
+                # copies would not reach the tensor written: refused.)
                 return self._data_op(func, args, kwargs, f"torch.{info.opname}()")
             raise UnsupportedOperatorError(f"{e} (while constructing {constructing()})") from None
         except FakeDataAccessError as e:
+            if info.writes:
+                raise
             # Its kernel reads values (item() inside): computed like item().
             return self._data_op(func, args, kwargs, e.operation)
         if call.device.type == "meta":
