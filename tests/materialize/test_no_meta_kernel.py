@@ -200,3 +200,13 @@ def test_unsupported_message_keeps_whole_words():
     assert excerpt.endswith(" ...") and line.startswith(excerpt[:-4]) and len(excerpt) <= 244
     assert excerpt[:-4].split(" ")[-1] in line.split(" ")
     assert _excerpt("short\nsecond") == "short"
+
+
+@pytest.mark.parametrize("op", [torch.equal, torch.allclose])
+def test_value_reading_ops_on_real_tensors_in_fake_mode_answer_as_eagerly(op):
+    a, b = torch.ones(3), torch.ones(3) + 1e-9
+    expected = op(a, b)
+    with fake_mode():
+        assert op(a, b) == expected
+        with pytest.raises(FakeDataAccessError):
+            op(a, torch.ones(3))
