@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from fake.checks import check_arguments
 from fake.device import normalize
 from fake.flat import flatten
 from fake.function import default_device
-from fake.checks import check_arguments
 from fake.opinfo import op_info
 from fake.state import current_intended_device
 from fake.tensor import FakeTensor, make_fake

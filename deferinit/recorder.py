@@ -275,8 +275,9 @@ class Recorder(FakeHandler):
         def compute(*reals):
             it = iter(reals)
             real_flat = [next(it) if isinstance(a, FakeTensor) else a for a in flat]
+            a, k = unflatten(real_flat, spec)
             with no_python_dispatch():
-                result = func(*unflatten(real_flat, spec)[0], **unflatten(real_flat, spec)[1])
+                result = func(*a, **k)
             out, how = flatten_output(result)
             if not any(isinstance(y, torch.Tensor) for y in out):
                 return result

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
 from .copying import deepcopy_tensor
-from .subclass import accepting_fakes
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+from .subclass import accepting_fakes
 from .tensor import FakeTensor
 
 
