@@ -47,8 +47,9 @@ class SharedPatch:
             if self.users == 0:
                 module = self._module()
                 for name, value in self._replacements(module).items():
-                    # Its own attribute, not an inherited one: put back exactly.
-                    self._saved[name] = vars(module).get(name, _MISSING)
+                    # A class's own attribute, not an inherited one: put back exactly.
+                    own = isinstance(module, type)
+                    self._saved[name] = vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
                     setattr(module, name, value)
             self.users += 1
 
