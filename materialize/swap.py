@@ -113,6 +113,10 @@ def remember_real_storages(reads, storages, reals) -> None:
     """After a swap: each recorded storage remembers its real memory and the
     head it reflects, so that its other tensors, materialized later, share it."""
     for read, storage, real in zip(reads, storages, reals):
+        if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
+            # A subclass may refuse .shape (lazy modules' placeholders): ask a plain alias.
+            with torch._C.DisableTorchFunctionSubclass():
+                real = real.as_subclass(torch.Tensor)
         if storage.real is None and read.value.same_geometry(real):
             storage.real = real.untyped_storage()
         if storage.real is not None:
