@@ -110,6 +110,8 @@ LAZY = {
     "LazyConv2d": (lambda: nn.LazyConv2d(4, 3), (1, 2, 5, 5)),
     "LazyConvTranspose2d": (lambda: nn.LazyConvTranspose2d(3, 2), (1, 2, 4, 4)),
     "LazyInstanceNorm1d(affine)": (lambda: nn.LazyInstanceNorm1d(affine=True, track_running_stats=False), (2, 3, 5)),
+    "LazyBatchNorm1d": (lambda: nn.LazyBatchNorm1d(), (4, 3)),
+    "LazyBatchNorm2d(momentum=None)": (lambda: nn.LazyBatchNorm2d(momentum=None), (2, 3, 4, 4)),
     "Sequential(LazyLinear, ReLU, LazyLinear)": (lambda: nn.Sequential(nn.LazyLinear(5), nn.ReLU(), nn.LazyLinear(2)), (2, 3)),
 }
 
