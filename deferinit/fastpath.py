@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from fake.checks import check_arguments
 from fake.device import normalize
 from fake.flat import flatten
 from fake.function import default_device
@@ -93,6 +94,12 @@ def _factory(op, keys):
             return NotImplemented
         if dtype is None:
             dtype = torch.get_default_dtype()
+        elif type(dtype) is not _DTYPE:
+            # The node holds what the dispatcher would get: PyTorch's parser
+            # turns bool/int/float/complex into torch dtypes.
+            dtype = _PYTHON_DTYPES.get(dtype)
+            if dtype is None:
+                return NotImplemented  # the general path raises eager's TypeError
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             shadow = torch.empty(size, dtype=dtype, device=_META)
         node = Node("op", op, [size, dtype, device, False], _FACTORY_SPEC)
@@ -104,6 +111,9 @@ def _factory(op, keys):
     return factory
 
 
+_DTYPE = torch.dtype
+# As PyTorch's argument parser maps them (bool, int64, float64, complex128).
+_PYTHON_DTYPES = {t: torch._C._nn._parse_to(t)[1] for t in (bool, int, float, complex)}
 _FACTORY_KEYS = ("dtype", "device", "requires_grad", "layout", "pin_memory")
 _CONTIGUOUS = torch.contiguous_format
 # The flattened form of op(size, dtype=, device=, pin_memory=), size a leaf.
@@ -135,7 +145,6 @@ def _fill(op):
     names = [a.name for a in params]
     defaults = [a.default_value for a in params]
     random = info.random
-    skip_meta = info.skip_meta
     specs: dict = {}
 
     def fill(record, args, kwargs):
@@ -167,12 +176,9 @@ def _fill(op):
         for x in scalars:
             if type(x) is not float and type(x) is not int and type(x) is not bool:
                 return NotImplemented
-        if skip_meta:
-            info.check(self, (self, *scalars), {})
-        else:
-            # fill_/zero_: their meta kernels are cheap C++ and check the value.
-            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-                op(d["_shadow"], *scalars)
+        shadow = d["_shadow"]
+        # Eager's argument checks, which meta kernels skip (fake.checks).
+        check_arguments(op, (shadow, *scalars), {"generator": generator} if generator is not None else {}, (shadow,))
         shape = (len(scalars), generator is not None)
         spec = specs.get(shape)
         if spec is None:

@@ -12,19 +12,20 @@ from __future__ import annotations
 import torch
 
 from fake import handlers
-from fake.flat import flatten
+from fake.flat import flatten, flatten_output, unflatten, unflatten_output
 from fake.bypass import no_python_dispatch
-from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, writes_real
+from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, views_real, writes_real
 from fake.opinfo import op_info
 from fake.state import in_fake_mode
-from fake.errors import UnsupportedOperatorError
+from fake.errors import FakeDataAccessError, UnsupportedOperatorError
 from fake.tensor import FakeTensor, describe
 
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
 from .outside import computes_plain
-from .graph import Input, Leaf, Node, Storage, Value
+from .grad import autograd_reads as _autograd_reads
+from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
 from .where import constructing
@@ -58,7 +59,7 @@ class Recorder(FakeHandler):
 
     def dispatch(self, func, args, kwargs, context):
         if func in DATA_OPS:
-            return self._data_op(func, args, kwargs)
+            return self._data_op(func, args, kwargs, DATA_OPS[func])
         info = op_info(func)
         if context is None and current_record() is None and computes_plain(func, info, args, kwargs):
             # Running a deferred model, not changing it: see deferinit/outside.py.
@@ -67,14 +68,26 @@ class Recorder(FakeHandler):
             return self.constant(args[0], args[0].device)
         if func.namespace in COLLECTIVE_NAMESPACES:  # c10d ops: see deferinit/collectives.py
             return record_collective(self, func, args, kwargs)
-        if writes_real(info, args, kwargs):
+        if info.reads_data is not None:
+            return self._data_op(func, args, kwargs, info.reads_data)
+        if writes_real(info, args, kwargs) or views_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
         record = context if context is not None else _record_of(args, kwargs)
 
         try:
             call = run(func, args, kwargs, info)
         except UnsupportedOperatorError as e:
+            if getattr(e, "data_dependent", False) and not info.writes:
+                # nonzero, boolean masks: the shape is read from the values,
+                # which are computed as for item().  (A write computed on
+                # copies would not reach the tensor written: refused.)
+                return self._data_op(func, args, kwargs, f"torch.{info.opname}()")
             raise UnsupportedOperatorError(f"{e}{self.where()}") from None
+        except FakeDataAccessError as e:
+            if info.writes:
+                raise
+            # Its kernel reads values (item() inside): computed like item().
+            return self._data_op(func, args, kwargs, e.operation)
         if call.device.type == "meta":
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
@@ -267,15 +280,25 @@ class Recorder(FakeHandler):
 
     # -- data -------------------------------------------------------------------
 
-    def _data_op(self, func, args, kwargs):
-        fakes = [a for a in args if isinstance(a, FakeTensor)]
-        name = DATA_OPS[func]
+    def _data_op(self, func, args, kwargs, name):
+        """An operator that reads values (``item()``, ``torch.allclose``), run on
+        the current values of its deferred inputs; tensors it returns become
+        constants of the record."""
+        flat, spec = flatten(args, kwargs)
+        fakes = [a for a in flat if isinstance(a, FakeTensor)]
 
         def compute(*reals):
             it = iter(reals)
-            real_args = [next(it) if isinstance(a, FakeTensor) else a for a in args]
+            real_flat = [next(it) if isinstance(a, FakeTensor) else a for a in flat]
+            a, k = unflatten(real_flat, spec)
             with no_python_dispatch():
-                return func(*real_args, **kwargs)
+                result = func(*a, **k)
+            out, how = flatten_output(result)
+            if not any(isinstance(y, torch.Tensor) for y in out):
+                return result
+            like = fakes[0] if fakes else None
+            out = [self.constant(y, y.device, like) if isinstance(y, torch.Tensor) else y for y in out]
+            return unflatten_output(out, how)
 
         return self.data_access(name, fakes, compute)
 
@@ -331,43 +354,6 @@ def check_storage_not_real(fake: FakeTensor, op) -> None:
         )
 
 
-_grad_enabled = torch.is_grad_enabled
-
-
-def _is_leaf(x: FakeTensor) -> bool:
-    """A leaf requiring grad (a view taken under no_grad of a tensor requiring
-    grad is not one: replay computes it from its base)."""
-    try:
-        return x.is_leaf and not (x._is_view() and x._base.requires_grad)
-    except RuntimeError:
-        # Autograd refuses to rebuild this view's grad_fn (a view taken under
-        # no_grad whose base was written in place under grad mode).
-        return False
-
-
-def _autograd_reads(flat, view: bool = False):
-    """What autograd saw of this call: None if no input requires grad (and
-    the call is no view), else ``(position, Leaf)`` for the inputs that are
-    leaves requiring grad and ``(position, None)`` for the fakes that do not
-    require grad (``t.data``: replay strips whatever graph its value has)."""
-    entries = []
-    requires = False
-    for i, x in enumerate(flat):
-        if not isinstance(x, torch.Tensor):
-            continue
-        if x.requires_grad:
-            requires = True
-            if isinstance(x, FakeTensor) and _is_leaf(x):
-                d = x.__dict__
-                leaf = d.get("_leaf")
-                if leaf is None:
-                    leaf = d["_leaf"] = Leaf()
-                entries.append((i, leaf))
-        elif isinstance(x, FakeTensor):
-            entries.append((i, None))
-    return tuple(entries) if requires or view else None
-
-
 def _has_tensor(flat) -> bool:
     for x in flat:
         if isinstance(x, torch.Tensor):
@@ -386,5 +372,6 @@ def _record_of(args, kwargs):
     return current_record()
 
 
+_grad_enabled = torch.is_grad_enabled
 RECORDER = Recorder()
 handlers.register_deferred(RECORDER)

@@ -12,10 +12,12 @@ import torch
 
 from . import constants, handlers, metacache
 from .bypass import no_python_dispatch
+from .checks import check_arguments
 from .device import CPU, META, common_device, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
-from .flat import flatten, flatten_output, unflatten_output
+from .flat import flatten, flatten_output, unflatten, unflatten_output
 from .opinfo import OpInfo, op_info
+from .standin import LIMIT_BYTES as STANDIN_LIMIT_BYTES, data_dependent, refusal, run_on_standins, standin_bytes
 from .state import backend_meant, current_intended_device
 from .tensor import FakeTensor, describe
 
@@ -105,20 +107,27 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         else:
             device = common_device(info.opname, tensor_devices) or CPU
 
+    margs, mkwargs = unflatten(metas, spec)
+    if device.type != "meta":
+        # What eager kernels reject and meta kernels let through (fake.checks).
+        check_arguments(func, margs, mkwargs, info.written(margs, mkwargs) if info.writes else ())
+
     if info.skip_meta and isinstance(args[0], FakeTensor):
         # An in-place random fill: the result is the input, geometry unchanged.
         owner = args[0]
-        info.check(owner, args, kwargs)
         return Call(info, flat, spec, owner, device, [owner], [], [owner])
 
     try:
-        result = metacache.call(info, metas, spec)
-    except NotImplementedError as e:
-        raise UnsupportedOperatorError(
-            f"{func} cannot run on fake tensors: it has no meta kernel, or its output "
-            f"shape depends on the data ({str(e).splitlines()[0][:200]}). Run it on real "
-            "tensors instead (materialize them first)."
-        ) from None
+        result = metacache.call(info, metas, spec, margs, mkwargs)
+    except RuntimeError as e:  # NotImplementedError included
+        if any(m in str(e) for m in _DATA_READ_ON_META):
+            # A kernel that reads values (allclose calls item()): the caller
+            # computes it from the data, or refuses as for item().
+            fake = next((x for x in flat if isinstance(x, FakeTensor)), None)
+            raise FakeDataAccessError(f"torch.{info.opname}()", describe(fake) if fake is not None else "") from None
+        if not isinstance(e, NotImplementedError) and not data_dependent(func):
+            raise
+        result = _without_meta_kernel(func, margs, mkwargs, e)
     mutated: list = []
     fresh: list = []
     if device.type == "meta":
@@ -165,6 +174,44 @@ def _options_device(tensor_devices):
     return meant
 
 
+# What meta kernels raise when they would read tensor values.
+_DATA_READ_ON_META = ("cannot be called on meta tensors", "Cannot copy out of meta tensor")
+
+
+def _without_meta_kernel(func, margs, mkwargs, error):
+    """The meta result of ``func``, which has no meta kernel: from stand-ins
+    (:mod:`fake.standin`) where they can tell, else UnsupportedOperatorError."""
+    reason = refusal(func)
+    if reason is None:
+        size = standin_bytes(margs, mkwargs)
+        if size > STANDIN_LIMIT_BYTES:
+            amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size} bytes"
+            reason = (
+                f"its output geometry would be computed on {amount} of stand-ins "
+                f"(limit DEFERINIT_STANDIN_LIMIT_BYTES={STANDIN_LIMIT_BYTES})"
+            )
+        else:
+            try:
+                return run_on_standins(func, margs, mkwargs)
+            except NotImplementedError as e:
+                reason, error = "no CPU kernel to compute its output geometry on stand-ins", e
+    unsupported = UnsupportedOperatorError(
+        f"{func} cannot run on fake tensors: it has no meta kernel, and {reason} "
+        f"({_excerpt(str(error))}). Run it on real tensors instead (materialize them first)."
+    )
+    # A deferred caller can compute such an op from the values (see deferinit).
+    unsupported.data_dependent = data_dependent(func)
+    raise unsupported from None
+
+
+def _excerpt(message: str, limit: int = 240) -> str:
+    """The first line of PyTorch's message, cut at a word if it is long."""
+    line = message.strip().splitlines()[0] if message.strip() else ""
+    if len(line) <= limit:
+        return line
+    return line[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def _sync_geometry(fake: FakeTensor) -> None:
     """Make the wrapper report the geometry of its shadow after an in-place op."""
     shadow = fake._shadow
@@ -176,6 +223,22 @@ def _sync_geometry(fake: FakeTensor) -> None:
         replacement = FakeTensor(shadow, fake.device, fake.requires_grad)
         with no_python_dispatch():  # set_data asks a (dispatched) compatibility question
             torch.Tensor.data.__set__(fake, replacement)
+
+
+_LIFT_FRESH = aten.lift_fresh.default
+
+
+def views_real(info: OpInfo, args, kwargs) -> bool:
+    """Whether the op returns a view of a real (not fake, not meta) tensor.
+
+    Such a view shares the real tensor's memory eagerly (``t[::2]``, the
+    ``detach`` that ``numpy()`` and ``nn.Parameter`` call in C++), so it
+    stays real: a fake could neither show the data nor carry writes to it.
+    """
+    if info.view_arg is None or info.func is _LIFT_FRESH:
+        return False  # lift_fresh: torch.tensor(data) makes a new tensor
+    base = info.arg(args, kwargs, info.view_arg)
+    return isinstance(base, torch.Tensor) and not isinstance(base, FakeTensor) and base.device.type != "meta"
 
 
 def writes_real(info: OpInfo, args, kwargs) -> bool:
@@ -196,21 +259,25 @@ class FakeHandler:
     """
 
     def dispatch(self, func, args, kwargs, context):
-        if func in DATA_OPS:
+        info = op_info(func)
+        name = DATA_OPS.get(func) or info.reads_data
+        if name is not None:
             value = constants.read(func, args, kwargs, FakeTensor)
             if value is not NotImplemented:
                 return value
-            fake = next(a for a in args if isinstance(a, FakeTensor))
-            raise FakeDataAccessError(DATA_OPS[func], describe(fake))
-        info = op_info(func)
-        if writes_real(info, args, kwargs):
+            fake = next((a for a in flatten(args, kwargs)[0] if isinstance(a, FakeTensor)), None)
+            if fake is None:  # torch.equal of real tensors: eager's answer
+                with no_python_dispatch():
+                    return func(*args, **kwargs)
+            raise FakeDataAccessError(name, describe(fake))
+        if writes_real(info, args, kwargs) or views_real(info, args, kwargs):
             return self.run_real(func, args, kwargs)
         call = run(func, args, kwargs, info)
         constants.after(call, func, FakeTensor)  # values kept where they are known
         return call.out
 
     def run_real(self, func, args, kwargs):
-        """An in-place op on real tensors only: it stays real."""
+        """An in-place op on real tensors, or a view of one: it stays real."""
         flat, _ = flatten(args, kwargs)
         if any(isinstance(x, FakeTensor) for x in flat):
             raise FakeIntoRealError(

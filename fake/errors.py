@@ -41,11 +41,15 @@ class FakeDataAccessError(FakeTensorError):
         super().__init__(message)
 
 
-class UnsupportedOperatorError(FakeTensorError, NotImplementedError):
-    """An operator cannot run on fake tensors: it has no meta kernel, or the
+class UnsupportedOperatorError(FakeTensorError):
+    """An operator cannot run on fake tensors: it has no meta kernel, and the
     shape of its output depends on the data (``nonzero``, ``unique``, boolean
-    masks).  Also a ``NotImplementedError``, as PyTorch raises for missing
-    kernels."""
+    masks), or it draws random numbers, or stand-ins would be too large.
+
+    Deliberately not a ``NotImplementedError``: PyTorch
+    (``parametrize``'s ``right_inverse``) and user code catch that to mean
+    "not implemented here, take another path", which would silently build
+    something else than eager PyTorch does."""
 
 
 class FakeIntoRealError(FakeTensorError):

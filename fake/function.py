@@ -10,6 +10,8 @@ the device becomes ``meta`` and the device meant is left in
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .device import default_device, exists, normalize
@@ -55,25 +57,67 @@ def call_with_data(func, args, kwargs, device: torch.device):
     return t
 
 
-def parse_to(args, kwargs):
-    """Split the arguments of ``Tensor.to`` into (device, dtype, other keywords)."""
+_parse_to = torch._C._nn._parse_to
+_no_torch_function = torch._C.DisableTorchFunction
+# What _parse_to (the parser nn.Module.to uses) says where Tensor.to differs.
+_COPY_REFUSED = "does not accept copy argument"
+_NO_ACCELERATOR = "accelerator"
+
+
+def _is_index(x) -> bool:
+    # What PyTorch's parser takes for a device index: an integer, not a bool.
+    return not isinstance(x, (bool, torch.Tensor)) and hasattr(type(x), "__index__")
+
+
+def parse_to(args, kwargs, fake_cuda: bool = True):
+    """Split the arguments of ``Tensor.to`` into (device, dtype, other keywords).
+
+    PyTorch's own parser decides: ``torch._C._nn._parse_to`` takes the three
+    signatures of ``Tensor.to`` (device and dtype, dtype, other tensor), the
+    Python types ``bool``/``int``/``float``/``complex`` as dtypes, and raises
+    eager's ``TypeError`` for anything else.  It refuses only two things
+    ``Tensor.to`` takes: ``copy`` (always the last positional argument when
+    given positionally), and, on a build without an accelerator, a device
+    index, which is a CUDA device when CUDA is faked.  A fake ``other``
+    tensor gives its reported device, not the one its C++ side holds.
+
+    Example::
+
+        >>> parse_to(("cuda", None, False), {})
+        (device(type='cuda', index=0), None, {'non_blocking': False, 'copy': False, 'memory_format': None})
+        >>> parse_to((float,), {"copy": True})[1:]
+        (torch.float64, {'non_blocking': False, 'copy': True, 'memory_format': None})
+    """
     args = list(args)
     kwargs = dict(kwargs)
-    device = kwargs.pop("device", None)
-    dtype = kwargs.pop("dtype", None)
-    if args and isinstance(args[0], torch.Tensor):
-        other = args.pop(0)
-        device, dtype = other.device, other.dtype
-    elif args and (args[0] is None or isinstance(args[0], (str, torch.device, int))):
-        # Module.to passes (device, dtype, non_blocking) positionally, device maybe None.
-        device = args.pop(0)
-    if args and isinstance(args[0], torch.dtype):
-        dtype = args.pop(0)
-    for name, value in zip(("non_blocking", "copy"), args):
-        kwargs[name] = value
-    if isinstance(device, int):
-        device = torch.device("cuda", device)
-    return (normalize(device) if device is not None else None), dtype, kwargs
+    copy = False
+    copy_taken = index_taken = False
+    while True:
+        try:
+            with _no_torch_function():  # our own function mode would rewrite device=
+                device, dtype, non_blocking, memory_format = _parse_to(*args, **kwargs)
+            break
+        except RuntimeError as e:
+            message = str(e)
+            if _COPY_REFUSED in message and not copy_taken:
+                # The parser matched a signature, so copy is a bool.
+                copy = kwargs.pop("copy") if "copy" in kwargs else args.pop()
+                copy_taken = True
+            elif _NO_ACCELERATOR in message and fake_cuda and not index_taken:
+                if _is_index(kwargs.get("device")):
+                    kwargs["device"] = torch.device("cuda", operator.index(kwargs["device"]))
+                elif args and _is_index(args[0]):
+                    args[0] = torch.device("cuda", operator.index(args[0]))
+                else:
+                    raise
+                index_taken = True
+            else:
+                raise
+    other = kwargs.get("tensor", args[0] if args else None)
+    if isinstance(other, torch.Tensor):
+        device = other.device  # a fake's reported device
+    rest = {"non_blocking": non_blocking, "copy": copy, "memory_format": memory_format}
+    return (normalize(device) if device is not None else None), dtype, rest
 
 
 def tensor_to(self: torch.Tensor, args, kwargs, fake_cuda: bool = True, *, fake: bool = False):
@@ -83,7 +127,7 @@ def tensor_to(self: torch.Tensor, args, kwargs, fake_cuda: bool = True, *, fake:
     reported (see ``fake.device.backend_device``), so every move of a fake
     goes through the dispatch layer with the intended device.
     """
-    device, dtype, rest = parse_to(args, kwargs)
+    device, dtype, rest = parse_to(args, kwargs, fake_cuda)
     if device is not None and device == self.device:
         device = None
     if device is not None and device.type != "meta":

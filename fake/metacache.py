@@ -103,11 +103,13 @@ def _rebuild(layout):
     return unflatten_output(flat, how)
 
 
-def call(info, metas, spec):
-    """``info.func`` on meta arguments ``metas`` (flattened as ``spec``), from the cache when it can."""
+def call(info, metas, spec, margs=None, mkwargs=None):
+    """``info.func`` on meta arguments ``metas`` (flattened as ``spec``, or
+    already unflattened as ``margs, mkwargs``), from the cache when it can."""
     func = info.func
     key = _key(func, metas, spec) if ENABLED and _op_cacheable(info) else None
-    margs, mkwargs = unflatten(metas, spec)
+    if margs is None:
+        margs, mkwargs = unflatten(metas, spec)
     with no_python_dispatch():
         if key is not None:
             layout = _cache.get(key)

@@ -21,6 +21,7 @@ from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .device import backend_device
 from .state import backend_meant, backend_stands_for, planning
+from .subclass import accepting_fakes
 from .tensor import FakeTensor
 
 
@@ -32,6 +33,7 @@ _pop = torch._C._pop_torch_function_stack
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
+_parse_to = torch._C._nn._parse_to
 
 
 # Calls that may need a device rewritten even without keyword arguments.
@@ -70,6 +72,9 @@ class FakeFunctionMode(TorchFunctionMode):
             # Most calls (dim(), size(), add()...): nothing to rewrite.
             return func(*args)
         kwargs = kwargs or {}
+        if func is _parse_to:
+            # nn.Module.to parses its arguments: a device is only read there.
+            return func(*args, **kwargs)
         if func is torch.Tensor.__deepcopy__:
             # A real tensor deep-copied under a fake mode (a template module
             # inside deferred_init): its copy is fake, laid out as eager's.
@@ -222,7 +227,7 @@ def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = Fal
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
     function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
     dispatch_mode = FakeDispatchMode(handler, context, yields)
-    with function_mode, dispatch_mode:
+    with accepting_fakes(), function_mode, dispatch_mode:
         function_mode.partner_depth = _dispatch_depth()
         yield
 

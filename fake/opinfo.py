@@ -16,50 +16,19 @@ import torch
 aten = torch.ops.aten
 
 
-def _check_uniform(args, kwargs):
-    low = args[1] if len(args) > 1 else kwargs.get("from", 0.0)
-    high = args[2] if len(args) > 2 else kwargs.get("to", 1.0)
-    if low > high:
-        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={low} > to={high}")
-
-
-def _check_normal(args, kwargs):
-    std = args[2] if len(args) > 2 else kwargs.get("std", 1.0)
-    if std < 0:
-        raise RuntimeError(f"normal expects std >= 0.0, but found std {std}")
-
-
-def _floating_or_complex(dtype):
-    return dtype.is_floating_point or dtype.is_complex
-
-
-def _floating(dtype):
-    return dtype.is_floating_point
-
-
-def _not_complex(dtype):
-    return not dtype.is_complex
-
-
-def _numeric(dtype):
-    return not dtype.is_complex and dtype is not torch.bool
-
-
 # In-place random fills: they keep their input's geometry, and their meta
 # kernels are Python decompositions (normal_'s costs ~0.5 ms and imports
-# torch._dynamo on first use).  What the kernels would check is checked
-# here: (dtypes accepted, whether the dtype is checked for an empty tensor
-# too, check of the scalar arguments).  uniform_ dispatches on the dtype to
-# check its bounds before it looks at the size; the others return early.
-_SKIP_META = {
-    aten.uniform_.default: (_floating_or_complex, True, _check_uniform),
-    aten.normal_.default: (_floating_or_complex, False, _check_normal),
-    aten.bernoulli_.float: (_not_complex, False, None),
-    aten.exponential_.default: (_floating, False, None),
-    aten.log_normal_.default: (_floating, False, None),
-    aten.cauchy_.default: (_floating, False, None),
-    aten.geometric_.default: (_numeric, False, None),
-}
+# torch._dynamo on first use).  What the kernels would check is checked by
+# eager's own kernels on stand-ins (fake.checks).
+_SKIP_META = frozenset({
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.log_normal_.default,
+    aten.cauchy_.default,
+    aten.geometric_.default,
+})
 
 
 def _training(args, kwargs, position=5):
@@ -117,8 +86,18 @@ def _hidden_writes() -> dict:
 HIDDEN_WRITES = _hidden_writes()
 
 
+def _reads_data(func) -> str | None:
+    """How to name ``func`` when it returns a number read from tensor data
+    (PyTorch tags such operators ``data_dependent_output``: ``allclose``)."""
+    if torch.Tag.data_dependent_output not in func.tags:
+        return None
+    if any("Tensor" in str(r.type) for r in func._schema.returns):
+        return None
+    return f"torch.{func._opname}()"
+
+
 class OpInfo:
-    __slots__ = ("func", "opname", "writes", "hidden", "view_arg", "random", "dtype_kwarg", "skip_meta", "_checks")
+    __slots__ = ("func", "opname", "writes", "hidden", "view_arg", "random", "dtype_kwarg", "skip_meta", "reads_data")
 
     def __init__(self, func):
         schema = func._schema
@@ -140,8 +119,8 @@ class OpInfo:
                     break
         self.random = torch.Tag.nondeterministic_seeded in func.tags
         self.dtype_kwarg = any(a.name == "dtype" for a in schema.arguments)
-        self._checks = _SKIP_META.get(func)
-        self.skip_meta = self._checks is not None
+        self.skip_meta = func in _SKIP_META
+        self.reads_data = _reads_data(func)
 
     def arg(self, args, kwargs, index):
         a = self.func._schema.arguments[index]
@@ -163,14 +142,6 @@ class OpInfo:
             elif isinstance(value, (list, tuple)):
                 out.extend(v for v in value if isinstance(v, torch.Tensor))
         return out
-
-    def check(self, tensor, args, kwargs) -> None:
-        """Raise what the skipped kernel would have raised on ``tensor`` (``skip_meta`` ops)."""
-        dtype_ok, even_if_empty, check_scalars = self._checks
-        if not dtype_ok(tensor.dtype) and (even_if_empty or tensor.numel()):
-            raise NotImplementedError(f"{self.func} is not implemented for {tensor.dtype}")
-        if check_scalars is not None:
-            check_scalars(args, kwargs)
 
 
 _cache: dict = {}

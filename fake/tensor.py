@@ -21,6 +21,7 @@ from .device import backend_device, normalize
 from .errors import FakeDataAccessError
 from .storage import storage_of
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
+from .storage_set import fake_set_
 
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
@@ -151,6 +152,9 @@ class FakeTensor(torch.Tensor):
     def type_as(self, other):
         return tensor_type_as(self, other, fake=True)
 
+    def set_(self, *args, **kwargs):
+        return fake_set_(self, args, kwargs, INTERNAL_ATTRS)
+
     def new_empty(self, *args, **kwargs):
         return _new(torch.Tensor.new_empty, self, args, kwargs)
 
@@ -190,10 +194,12 @@ class FakeTensor(torch.Tensor):
         return self._data_access("operator.index()", lambda t: t.__index__())
 
     def numpy(self, *, force: bool = False):
-        return self._data_access("numpy()", lambda t: t.numpy(force=force))
+        return self._data_access("numpy()", lambda t: _read_only(t.numpy(force=force), t))
 
     def __array__(self, dtype=None, copy=None):
-        return self._data_access("numpy.asarray()", lambda t: t.__array__(dtype))
+        if copy:  # np.array(t): a copy of its own, writable as eagerly
+            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy())
+        return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
         raise FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
@@ -217,6 +223,19 @@ class FakeTensor(torch.Tensor):
             describe(self),
             "Materialize the tensor first, or save its shape and dtype instead.",
         )
+
+
+def _read_only(array, real: torch.Tensor):
+    """The array of a value computed for a deferred tensor refuses writes where
+    it shares that value's memory: eagerly they would change the tensor, here
+    they could not reach its record (numpy raises "assignment destination is
+    read-only").  A converted copy (``np.asarray(t, dtype=...)``) stays writable,
+    as eagerly, where writes do not reach the tensor either."""
+    storage = real.untyped_storage()
+    start = storage.data_ptr()
+    if start <= array.ctypes.data < start + max(storage.nbytes(), 1):
+        array.flags.writeable = False
+    return array
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

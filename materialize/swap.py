@@ -33,7 +33,8 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     """
     d = fake.__dict__
     floating = real.is_floating_point() or real.is_complex()
-    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else None
+    # A Parameter (or subclass), or a tensor subclass made from a fake (fake.subclass).
+    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
     grad_fn = grad_fn_of(fake)
     if inference or fake.is_inference():
         # Eager construction under inference_mode() records no graph: what
@@ -112,6 +113,10 @@ def remember_real_storages(reads, storages, reals) -> None:
     """After a swap: each recorded storage remembers its real memory and the
     head it reflects, so that its other tensors, materialized later, share it."""
     for read, storage, real in zip(reads, storages, reals):
+        if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
+            # A subclass may refuse .shape (lazy modules' placeholders): ask a plain alias.
+            with torch._C.DisableTorchFunctionSubclass():
+                real = real.as_subclass(torch.Tensor)
         if storage.real is None and read.value.same_geometry(real):
             storage.real = real.untyped_storage()
         if storage.real is not None:

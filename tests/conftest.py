@@ -23,6 +23,7 @@ def _global_state():
         len(_get_current_function_mode_stack()),
         len(_get_current_dispatch_mode_stack()),
         torch.nn.init._no_grad_trunc_normal_,
+        vars(torch.Tensor).get("_make_subclass"),
     )
 
 

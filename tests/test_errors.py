@@ -120,6 +120,25 @@ def test_item_over_the_evaluation_limit(monkeypatch):
 # -- 2. ops without meta kernels / with data-dependent output shapes ----------
 
 
+@pytest.mark.parametrize("op,name", [
+    (lambda t: t.masked_select(t > 0.5), "aten.masked_select"),
+    (lambda t: torch.nonzero(t > 0.5), "aten.nonzero"),
+    (lambda t: torch.unique(t), "aten._unique2"),
+])
+def test_op_without_meta_kernel(op, name):
+    """Under fake_mode the values are unknown: an op whose output shape depends
+    on them is refused by name (not as a NotImplementedError, which PyTorch and
+    user code take for "fall back")."""
+    with fake_mode():
+        t = torch.rand(6)
+        with pytest.raises(UnsupportedOperatorError) as info:
+            op(t)
+    assert not isinstance(info.value, NotImplementedError) and isinstance(info.value, FakeTensorError)
+    message = str(info.value)
+    assert name in message and "depends on the data" in message
+    assert "meta kernel" in message and "materialize them first" in message
+
+
 class NoMetaKernel(nn.Module):
     def __init__(self, op):
         super().__init__()
@@ -127,32 +146,34 @@ class NoMetaKernel(nn.Module):
         self.register_buffer("picked", op(t))
 
 
-@pytest.mark.parametrize("op,name", [
-    (lambda t: t.masked_select(t > 0.5), "aten.masked_select"),
-    (lambda t: torch.nonzero(t > 0.5), "aten.nonzero"),
-    (lambda t: torch.unique(t), "aten._unique2"),
-])
-def test_op_without_meta_kernel(op, name):
-    with pytest.raises(UnsupportedOperatorError) as info:
-        deferred_init(NoMetaKernel, op)
-    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, FakeTensorError)
-    message = str(info.value)
-    assert name in message and "NoMetaKernel" in message
-    assert "meta kernel" in message and "materialize them first" in message
-
-
 def test_op_without_meta_kernel_fix_run_on_real_tensors():
-    """The fix: compute such values after materialization (here: from a real tensor)."""
+    """The fix: compute such values on real tensors (here: after materialization)."""
+    with fake_mode():
+        plain = torch.rand(6)
+    real = torch.rand(6)
+    assert torch.equal(real.masked_select(real > 0.5), real[real > 0.5])
+    with pytest.raises(UnsupportedOperatorError):
+        plain.masked_select(plain > 0.5)
+
+
+def test_data_dependent_op_inside_deferred_init_is_computed():
+    """Inside deferred_init the values are known: the op is computed as item() is."""
     torch.manual_seed(0)
     eager = NoMetaKernel(lambda t: t.masked_select(t > 0.5))
     torch.manual_seed(0)
-    m = deferred_init(NoMetaKernel, lambda t: t.clone())
+    m = deferred_init(NoMetaKernel, lambda t: t.masked_select(t > 0.5))
     materialize_module(m)
-    assert torch.equal(m.picked.masked_select(m.picked > 0.5), eager.picked)
+    assert torch.equal(m.picked, eager.picked)
+
+
+def test_data_dependent_op_on_an_absent_device():
+    with pytest.raises(DataDependentError, match=r"torch\.masked_select\(\) on a deferred tensor .* cuda:0 does not exist"):
+        with torch.device("cuda"):
+            deferred_init(NoMetaKernel, lambda t: t.masked_select(t > 0.5))
 
 
 def test_op_without_meta_kernel_in_fake_mode():
-    with pytest.raises(NotImplementedError, match="cannot run on fake tensors"):
+    with pytest.raises(UnsupportedOperatorError, match="cannot run on fake tensors"):
         with fake_mode():
             torch.rand(4).masked_select(torch.ones(4, dtype=torch.bool))
 

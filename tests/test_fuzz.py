@@ -42,6 +42,7 @@ import math
 import os
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -111,7 +112,7 @@ class Program:
         return made
 
     def run_post(self, module: nn.Module) -> None:
-        scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy}
+        scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy, "np": np}
         scope.update({f"t_{n}": t for n, t in named_tensors(module).items()})
         exec(self.post_code, scope)
 
@@ -129,7 +130,7 @@ class ProgramModule(nn.Module):
 
     def __init__(self, program: Program, outside: dict[str, torch.Tensor]):
         super().__init__()
-        scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy, "self": self, **outside}
+        scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy, "np": np, "self": self, **outside}
         dtype = torch.get_default_dtype()
         try:
             exec(program.code, scope)
@@ -139,6 +140,15 @@ class ProgramModule(nn.Module):
 
 def _dt(t) -> str:
     return _DTYPE_NAMES[t]
+
+
+# Python types PyTorch's argument parser takes as dtypes.
+_PYTHON_DTYPES = {torch.float64: "float", torch.int64: "int", torch.bool: "bool"}
+
+
+def _dt_any(draw, t) -> str:
+    """``t`` spelled as a torch dtype, or as the Python type that means it."""
+    return draw(st.sampled_from([_dt(t), _PYTHON_DTYPES[t]])) if t in _PYTHON_DTYPES else _dt(t)
 
 
 def _shape_strategy(max_dims=4):
@@ -240,11 +250,11 @@ def gen_factory(draw, pool):
     ))
     shape = draw(_shape_strategy())
     dtype = draw(st.sampled_from(DTYPES))
-    dt = draw(st.sampled_from([f", dtype={_dt(dtype)}", ""]))
+    dt = draw(st.sampled_from([f", dtype={_dt_any(draw, dtype)}", ""]))
     if dt == "":
         dtype = torch.get_default_dtype()
     fdtype = draw(st.sampled_from(FLOATS))
-    fdt = draw(st.sampled_from([f", dtype={_dt(fdtype)}", ""]))
+    fdt = draw(st.sampled_from([f", dtype={_dt_any(draw, fdtype)}", ""]))
     gens = pool.generators() + ["torch.default_generator"]
     gen = ""
     if draw(st.booleans()):
@@ -580,14 +590,25 @@ def gen_functional(draw, pool):
     kind = draw(st.sampled_from(
         ["unary", "cast", "binary", "compare", "reduce", "cat", "stack", "matmul", "where",
          "dropout", "softmax", "bernoulli", "clone", "contiguous", "to_same", "type_as", "cumsum", "multinomial",
-         "new", "deepcopy", "repeat", "flip", "roll", "cpu"]
+         "new", "deepcopy", "repeat", "flip", "roll", "cpu", "numpy"]
     ))
     if kind == "unary":
         op = draw(st.sampled_from(["neg()", "abs()", "exp()", "sin()", "tanh()", "sqrt()", "sign()", "float().log1p()", "relu()", "round()"]))
         line = f"{name} = {src}.{op}"
     elif kind == "cast":
-        op = draw(st.sampled_from(["float()", "double()", "long()", "bool()", "to(torch.float64)", "to(torch.int64)", "to(dtype=torch.float32)", "to('cpu', torch.float64)"]))
+        op = draw(st.sampled_from([
+            "float()", "double()", "long()", "bool()", "to(torch.float64)", "to(torch.int64)", "to(dtype=torch.float32)",
+            "to('cpu', torch.float64)", "to(float)", "to(int)", "to(bool)", "to(dtype=float)", "to(None, None, False)",
+            "to('cpu', None, False)", "to(torch.float64, copy=True)", "to(None, torch.float32, False, True)",
+        ]))
         line = f"{name} = {src}.{op}"
+    elif kind == "numpy":
+        # Reads through NumPy: real tensors stay real, deferred ones are computed.
+        form = draw(st.sampled_from([
+            "torch.from_numpy({}.numpy().copy())", "torch.from_numpy(np.array({}))",
+            "torch.from_numpy(np.asarray({}) * 2)", "torch.tensor(float(np.asarray({}, dtype=np.float64).sum()))",
+        ]))
+        line = f"{name} = {form.format(src)}"
     elif kind in ("binary", "compare", "where"):
         other = pool.pick(draw, lambda u: _broadcastable(u.shape, t.shape), outside=True)
         if other is None:
@@ -816,7 +837,7 @@ def programs(draw, max_steps=24):
     for i in range(draw(st.integers(0, 2))):
         outside[f"x{i}"] = (draw(_shape_strategy(3)), draw(st.sampled_from(DTYPES[:3])), draw(st.integers(0, 99)))
     proto = Program(seed, [], outside)
-    scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy, **proto.make_outside()}
+    scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy, "np": np, **proto.make_outside()}
     pool = _Pool(scope)
     lines: list[str] = []
     dtype = torch.get_default_dtype()
@@ -860,7 +881,7 @@ def programs(draw, max_steps=24):
                 regs.append(f'self.register_parameter("{attr}", {name})' if isinstance(v, nn.Parameter) else f'self.register_buffer("{attr}", {name})')
                 registered[attr] = v
             # After construction: in-place ops on the registered tensors.
-            post_scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy}
+            post_scope = {"torch": torch, "nn": nn, "F": F, "math": math, "copy": copy, "np": np}
             post_scope.update({f"t_{n}": t for n, t in registered.items()})
             post_pool = _Pool(post_scope)
             aliased = _aliased_names(registered)
@@ -1254,6 +1275,29 @@ FIXED = {
         'self.register_buffer("b_t1", t1, persistent=False)',
         'self.register_parameter("p_t4", t4)',
     ], {}, post=["t_b_t1.zero_()", "t_b_t1.set_(t_p_t4)"]),
+    "numpy_and_python_dtypes": _prog(
+        "t0 = torch.randn(2, 3)",
+        "t1 = torch.from_numpy(t0.numpy().copy())",
+        "t2 = torch.tensor(float(np.asarray(t0[1], dtype=np.float64).sum()))",
+        "t3 = torch.tril(torch.ones(3, 3, dtype=bool))",
+        "t4 = (t0 * 10).to(int)",
+        "t5 = torch.zeros(2, dtype=float).to(None, None, False)",
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t2)',
+        'self.register_buffer("c", t3)',
+        'self.register_buffer("d", t4)',
+        'self.register_buffer("e", t5)',
+    ),
+    "numpy_of_outside": Program(0, [
+        "t0 = torch.from_numpy(np.asarray(x0) * 2)",
+        "t1 = torch.from_numpy(x0[::2].numpy().copy()) + torch.rand(1)",
+        'self.register_buffer("a", t0)',
+        'self.register_buffer("b", t1)',
+    ], {"x0": ((4,), torch.float32, 5)}),
+    "numpy_of_deferred_outside": Program(0, [
+        "t0 = torch.from_numpy(np.array(x0)) - torch.rand(4)",
+        'self.register_buffer("a", t0)',
+    ], {"x0": ((4,), torch.float64, 6)}, deferred_outside=True),
     "inplace_geometry": _prog(
         "t0 = torch.randn(2, 3)",
         "t1 = t0[0]",
@@ -1284,7 +1328,7 @@ def test_fixed_programs(name, mode):
 @pytest.mark.parametrize("op", ["normal_()", "exponential_()", "log_normal_()"])
 def test_zero_element_random_fill_of_integers(op):
     """Eager CPU returns early for no elements; the meta kernel checks the dtype
-    first. Found by the fuzzer; fixed in fake/opinfo.py (OpInfo.check)."""
+    first. Found by the fuzzer; fixed in fake/checks.py (eager's kernel on a stand-in)."""
     run_program(_prog(f"t0 = torch.zeros(0, dtype=torch.int64).{op}", 'self.register_buffer("a", t0)'))
 
 

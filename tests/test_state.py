@@ -34,6 +34,7 @@ from deferinit import patches
 from deferinit.session import current_record
 from fake import is_fake
 from fake.state import current_intended_device
+from fake.subclass import MAKE_SUBCLASS
 from materialize import materialize_module, materialize_tensor
 
 EXPLICIT = torch.Generator().manual_seed(1234)
@@ -45,6 +46,8 @@ def snapshot():
         "dispatch modes": list(_get_current_dispatch_mode_stack()),
         "trunc_normal_": nn.init._no_grad_trunc_normal_,
         "patch users": patches.TRUNC_NORMAL.users,
+        "_make_subclass": vars(torch.Tensor).get("_make_subclass"),
+        "_make_subclass users": MAKE_SUBCLASS.users,
         "default generator": bytes(torch.default_generator.get_state().numpy()),
         "explicit generator": bytes(EXPLICIT.get_state().numpy()),
         "default dtype": torch.get_default_dtype(),
@@ -311,4 +314,7 @@ def test_snapshot_notices_changes():
         torch.set_default_dtype(torch.float32)
     with patches.installed():
         with pytest.raises(AssertionError, match="trunc_normal_"):
+            assert_restored(before)
+    with MAKE_SUBCLASS.held():
+        with pytest.raises(AssertionError, match="_make_subclass"):
             assert_restored(before)

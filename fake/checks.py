@@ -1,0 +1,241 @@
+"""The argument checks eager kernels make and meta kernels skip.
+
+Meta kernels compute shapes; many do not validate arguments the way the CPU
+and CUDA kernels do, so a call eager PyTorch rejects would be recorded and
+fail only at materialization, and a constructor that catches the error would
+take another branch than eagerly.  Three kinds of checks are therefore made
+here, before the meta kernel, with eager's own kernels (their exception types
+and messages are eager's):
+
+- random operators (``uniform_`` bounds for the dtype, ``bernoulli_(p)``,
+  ``exponential_(lambd)``, ``random_(from, to)``, ``randint``, a dtype the
+  kernel lacks): the CPU kernel runs on a stand-in of at most one element with
+  the same dtype and rank (empty if the tensor is), drawing from a private
+  generator.  Their checks depend on the dtype and the scalars only.
+- scalars stored into a tensor (``fill_``, ``full``, ``masked_fill_``,
+  ``index_fill_``, ``clamp_``...: arguments named ``value``, ``fill_value``,
+  ``min``, ``max``): converted to the output's dtype as the kernel does, so
+  ``fill_(1000)`` on ``int8`` overflows here too.
+- writes into a tensor with internal overlap (an ``expand``-ed tensor): the CPU
+  kernel runs on stand-ins of the same geometry (:mod:`fake.standin`), which
+  raises where eager raises (``normal_``, ``add_``, ``copy_``) and not where
+  it does not (``fill_``, ``zero_``).
+
+Checks on the *values* of tensor arguments (an index out of range, negative
+probabilities for ``multinomial``) need the data and happen at
+materialization.  Passing checks are cached per operator, argument dtypes
+and shapes, and scalars.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .bypass import no_python_dispatch
+from .flat import flatten, unflatten
+from .standin import LIMIT_BYTES, extent, standin_bytes
+
+_CPU = torch.device("cpu")
+_STORED = frozenset({"value", "fill_value", "min", "max"})
+# Arguments a small stand-in call keeps meaningful: the tensors filled or
+# read for their shape and dtype, sizes, scalars.  Operators with others
+# (multinomial's num_samples, which is checked against a size) are left out.
+_COMMON = frozenset({"self", "size", "generator", "dtype", "layout", "device", "pin_memory",
+                     "memory_format", "requires_grad", "names"})
+_RANDOM_ARGS = _COMMON | {"from", "to", "low", "high", "mean", "std", "p", "lambd", "median", "sigma", "n"}
+_STORED_ARGS = _COMMON | _STORED | {"mask", "dim", "index", "wrap"}
+_RANDPERM_MAX = 1 << 16
+
+_local = threading.local()
+_passed: dict = {}
+
+
+def _generator() -> torch.Generator:
+    g = getattr(_local, "generator", None)
+    if g is None:
+        g = _local.generator = torch.Generator()
+    return g
+
+
+class _Facts:
+    """Whether an operator's checks are made on small stand-ins, and with which
+    overload (one taking a generator, for a random one), once per overload."""
+
+    __slots__ = ("small", "call")
+
+    def __init__(self, func):
+        args = func._schema.arguments
+        names = {a.name for a in args}
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        stored = any(a.name in _STORED and str(a.type) in ("number", "Optional[number]") for a in args)
+        self.small = (random and names <= _RANDOM_ARGS) or (stored and names <= _STORED_ARGS)
+        self.call = func
+        if random and "generator" not in names:
+            # randn.default draws from the default generator: its checks run
+            # through randn.generator, with a private one.
+            self.call = _with_generator(func)
+            self.small = self.small and self.call is not None
+
+
+def _with_generator(func):
+    name = func._overloadname
+    candidates = (f"{name}_generator", "generator" if name == "default" else f"generator_with_{name}")
+    for candidate in candidates:
+        sibling = getattr(func.overloadpacket, candidate, None)
+        if sibling is not None and any(a.name == "generator" and a.kwarg_only for a in sibling._schema.arguments):
+            return sibling
+    return None
+
+
+_facts: dict = {}
+
+
+def _facts_of(func) -> _Facts:
+    facts = _facts.get(func)
+    if facts is None:
+        facts = _facts[func] = _Facts(func)
+    return facts
+
+
+def check_arguments(func, args, kwargs, written=()) -> None:
+    """Raise what eager ``func(*args, **kwargs)`` raises for its arguments (see
+    the module docstring).  ``args``/``kwargs`` hold fakes' shadows or other
+    tensors with their geometry; ``written`` the tensors the op writes.
+
+    Example::
+
+        >>> int8 = torch.empty(3, dtype=torch.int8, device="meta")
+        >>> check_arguments(torch.ops.aten.fill_.Scalar, (int8, 1000), {}, (int8,))
+        Traceback (most recent call last):
+        RuntimeError: value cannot be converted to type int8_t without overflow
+    """
+    facts = _facts_of(func)
+    if facts.small:
+        _check_small(func, facts, args, kwargs)
+    for w in written:
+        if _overlaps(w):
+            _check_overlap(func, args, kwargs)
+            break
+
+
+def _small_shape(t: torch.Tensor) -> tuple:
+    # At most 2 per dimension: rank, emptiness and "one element" (a fast
+    # path in some kernels) are kept.
+    return tuple(min(n, 2) for n in t.shape)
+
+
+_SCALAR_TYPES = frozenset({float, int, bool})
+
+
+def _part(x):
+    t = type(x)
+    if t in _SCALAR_TYPES or x is None:
+        return (t, x)
+    if isinstance(x, torch.Tensor):
+        return (x.dtype, x.shape)
+    if isinstance(x, (torch.Generator, torch.device)):
+        return type(x)
+    if isinstance(x, list):
+        return tuple(x)
+    return (type(x), x)
+
+
+def _key(func, args, kwargs):
+    key = [func]
+    for x in args:
+        key.append(_part(x))
+    for name, x in kwargs.items():
+        key.append(name)
+        key.append(_part(x))
+    return tuple(key)
+
+
+def _small(t: torch.Tensor) -> torch.Tensor:
+    if t.is_floating_point() or t.is_complex():
+        return torch.ones(_small_shape(t), dtype=t.dtype)  # a valid probability, rate, std
+    return torch.zeros(_small_shape(t), dtype=t.dtype)  # a valid index, an empty mask
+
+
+def _check_small(func, facts, args, kwargs) -> None:
+    try:
+        key = _key(func, args, kwargs)
+        if key in _passed:
+            return
+    except TypeError:  # unhashable: check every time
+        key = None
+    flat, spec = flatten(args, kwargs)
+    with no_python_dispatch():
+        small = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                x = _small(x)
+            elif isinstance(x, torch.Generator):
+                x = _generator()
+            elif isinstance(x, torch.device):
+                x = _CPU
+            small.append(x)
+        a, k = unflatten(small, spec)
+        a, k = _shrink_sizes(func, list(a), dict(k))
+        if a is None:
+            return
+        if torch.Tag.nondeterministic_seeded in func.tags and k.get("generator") is None:
+            k["generator"] = _generator()  # never the default generator
+        facts.call(*a, **k)
+    if key is not None:
+        _passed[key] = True
+
+
+def _shrink_sizes(func, a, k):
+    """Sizes cut to at most 2 per dimension (randperm's ``n`` is checked as is,
+    up to 65536)."""
+    for i, arg in enumerate(func._schema.arguments):
+        positional = i < len(a) and not arg.kwarg_only
+        value = a[i] if positional else k.get(arg.name)
+        if value is None:
+            continue
+        if arg.name == "size":
+            value = [min(int(n), 2) for n in value]
+        elif arg.name == "n" and func._opname == "randperm":
+            if value > _RANDPERM_MAX:
+                return None, None
+            continue
+        else:
+            continue
+        if positional:
+            a[i] = value
+        else:
+            k[arg.name] = value
+    return a, k
+
+
+def _overlaps(t) -> bool:
+    if not isinstance(t, torch.Tensor) or t.is_contiguous():
+        return False
+    for n, s in zip(t.shape, t.stride()):
+        if s == 0 and n > 1:
+            return True
+    return False
+
+
+def _check_overlap(func, args, kwargs) -> None:
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    call = _with_generator(func) if random and not any(a.name == "generator" for a in func._schema.arguments) else func
+    if call is None or standin_bytes(args, kwargs) > LIMIT_BYTES:
+        return
+    flat, spec = flatten(args, kwargs)
+    with no_python_dispatch():
+        real = []
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                x = torch.zeros(extent(x), dtype=x.dtype).as_strided(x.size(), x.stride(), x.storage_offset())
+            elif isinstance(x, torch.Generator):
+                x = _generator()
+            elif isinstance(x, torch.device):
+                x = _CPU
+            real.append(x)
+        a, k = unflatten(real, spec)
+        if random and k.get("generator") is None:
+            k["generator"] = _generator()  # never the default generator
+        call(*a, **k)

@@ -1,0 +1,127 @@
+"""Tensor subclasses made from fakes: ``torch.Tensor._make_subclass(cls, fake)``.
+
+Parameter subclasses with a ``__new__`` of their own (bitsandbytes'
+``Int8Params``) and the placeholders of lazy modules
+(``UninitializedParameter``, ``UninitializedBuffer``) call
+``torch.Tensor._make_subclass(cls, data, requires_grad)``.  On a fake, C++
+would bind a second Python object to the fake's C++ tensor and fail ("already
+associated to a python object").  While a fake mode is active (fake_mode,
+deferred_init), ``_make_subclass`` is diverted in that thread: for fake data it returns a new
+fake with the same value whose class derives from both ``FakeTensor`` and
+``cls`` (``isinstance(p, Int8Params)`` holds, ``cls``'s methods are there),
+and remembers ``cls``, so that materialization gives back an instance of
+``cls`` itself.  Anything else goes to PyTorch's own ``_make_subclass``.
+
+Lazy placeholders stay lazy: ``materialize(shape)`` at the first forward
+gives them a fake (deferred, when they are) of that shape, and turns them
+into the plain fake parameter or buffer that PyTorch would turn them into.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import torch
+from torch.nn.parameter import Parameter, UninitializedTensorMixin
+
+from .patch import SharedPatch
+from .tensor import FakeTensor
+
+_original = torch._C.TensorBase._make_subclass
+_classes: dict = {}
+
+
+def make_subclass(cls, data, require_grad=False, *args, **kwargs):
+    """``torch.Tensor._make_subclass`` that also takes fakes (see the module docstring).
+
+    Example::
+
+        >>> class Tagged(torch.nn.Parameter):
+        ...     def __new__(cls, data):
+        ...         return make_subclass(cls, data, True)
+        >>> with fake_mode():
+        ...     p = Tagged(torch.ones(2))
+        >>> isinstance(p, Tagged), is_fake(p), p.requires_grad
+        (True, True, True)
+    """
+    if not isinstance(data, FakeTensor) or args or kwargs:
+        return _original(cls, data, require_grad, *args, **kwargs)
+    out = data.detach()  # the same value under a new object, as _make_subclass's own detach
+    if require_grad:
+        out.requires_grad_(True)
+    if cls is Parameter:
+        out._is_param = True  # what Parameter(fake) gives
+        out.__dict__["_param_cls"] = cls
+        return out
+    if cls is torch.Tensor or cls is FakeTensor:
+        return out
+    out.__class__ = fake_class(cls)
+    _remember(out, cls)
+    return out
+
+
+def _remember(fake: FakeTensor, cls) -> None:
+    """What materialization dresses the real tensor as (see materialize.swap)."""
+    d = fake.__dict__
+    d["_param_cls"] = cls
+    if issubclass(cls, Parameter):
+        d["_is_param"] = True
+    else:
+        d.pop("_is_param", None)
+
+
+def fake_class(cls):
+    """The class of a fake that is also a ``cls``: ``FakeTensor`` first, so that
+    every operation stays fake."""
+    made = _classes.get(cls)
+    if made is None:
+        namespace = {"__module__": __name__, "__qualname__": f"fake_class({cls.__qualname__})"}
+        if issubclass(cls, UninitializedTensorMixin):
+            namespace["materialize"] = _materialize
+            namespace["__repr__"] = UninitializedTensorMixin.__repr__
+        made = _classes[cls] = type(cls.__name__, (FakeTensor, cls), namespace)
+    return made
+
+
+def _materialize(self, shape, device=None, dtype=None) -> None:
+    """``UninitializedTensorMixin.materialize`` for a fake placeholder: a fake of
+    ``shape`` (recorded like any op on a deferred fake), then the class PyTorch
+    gives (``cls_to_become``)."""
+    become = self.cls_to_become
+    self.data = self.new_empty(shape, device=device, dtype=dtype)
+    self.__class__ = FakeTensor
+    if become is torch.Tensor:
+        self.__dict__.pop("_param_cls", None)
+    else:
+        _remember(self, become)
+
+
+class _Diversion:
+    """``torch.Tensor._make_subclass`` while some thread is in a fake mode: ours
+    in the threads inside a fake mode, PyTorch's own everywhere else, and for
+    ``torch._dynamo``, which registers the builtin itself when it is first
+    imported (that may happen in the middle of a recording)."""
+
+    def __get__(self, obj, owner=None):
+        if getattr(_local, "depth", 0) and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch._dynamo"):
+            return make_subclass
+        return _original
+
+
+_local = threading.local()
+
+#: Installed while any thread is in a fake mode (reference counted).
+MAKE_SUBCLASS = SharedPatch(lambda: torch.Tensor, lambda _: {"_make_subclass": _Diversion()})
+
+
+@contextlib.contextmanager
+def accepting_fakes():
+    """``torch.Tensor._make_subclass`` takes fakes in this thread for the block."""
+    with MAKE_SUBCLASS.held():
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _local.depth -= 1
