@@ -39,6 +39,7 @@ test-fast: $(VENV)/.test
 	$(PY) -m pytest -q -m "not slow"
 
 bench: $(VENV)/.test
+	$(PIP) install --quiet --disable-pip-version-check -e '.[test,bench]'
 	$(PY) benchmarks/run_all.py
 
 clean:
