@@ -13,7 +13,7 @@ from deferinit.recorder import is_deferred_fake
 
 from .autograd import Binder, check_graph, deferred_leaves, leaf_token, needs_graph, same_memory
 
-from .generators import hand_over_generators
+from .generators import hand_over_generators, records_of
 from .progress import start_progress
 from .replay import Replay
 from .sharded import materialize_sharded
@@ -161,6 +161,7 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
         if shown is not None:
             replay.progress = shown.replay_callback(replay, fakes)
         reals = replay.run()
+        records = records_of(fakes)
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]
         pairs = _dressed(targets, reals, inference, binder)
@@ -181,7 +182,7 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
     # kept alive: draws into such tensors become temporaries of the record.
     replay.autograd = None
     del pairs, reals, fakes, targets, binder
-    hand_over_generators(replay.replay_streams, device)
+    hand_over_generators(replay.replay_streams, device, records)
 
 
 def _dressed(targets, reals, inference, binder) -> list:

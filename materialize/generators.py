@@ -19,14 +19,25 @@ target device is the one eager construction there would have advanced.
 from __future__ import annotations
 
 from deferinit.errors import MaterializationError
+from deferinit.plan import DeviceMap
 from deferinit.rng import generator_of, get_state, same_state, set_state
+from deferinit.streams import replay_streams
 
 from .replay import Replay
 
 
-def hand_over_generators(streams, device=None) -> None:
+def records_of(fakes) -> list:
+    """The records of ``fakes``, taken before the swap (which may free them)."""
+    return list({id(r): r for r in (f._record for f in fakes) if r is not None}.values())
+
+
+def hand_over_generators(streams, device=None, records=()) -> None:
     """After a successful materialization: advance each generator whose final state
     the replay now knows, if nothing drew from it or set it since deferral.
+
+    ``streams`` are the replay's; the streams of ``records`` (those of the
+    tensors materialized) that the replay did not need are considered too:
+    a record whose draws all went into temporaries still ends somewhere.
 
     Example::
 
@@ -36,6 +47,11 @@ def hand_over_generators(streams, device=None) -> None:
         >>> torch.equal(torch.rand(3), after)
         True
     """
+    streams = list(streams)
+    planned = {id(s) for rs in streams for s in rs.sources}
+    unplanned = [s for r in records for s in r.streams.values() if id(s) not in planned]
+    if unplanned:
+        streams += list({id(rs): rs for rs in replay_streams(unplanned, DeviceMap(device)).values()}.values())
     for rs in _in_order(streams):
         end = rs.end_state()
         if end is None:

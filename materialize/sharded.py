@@ -27,7 +27,7 @@ import torch
 from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 
-from .generators import hand_over_generators
+from .generators import hand_over_generators, records_of
 from .progress import start_progress
 from .replay import Replay
 from .swap import dress, remember_real_storages, swap_all
@@ -124,6 +124,7 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     units = groups(module, targets)
     targets = [t for group in units for t in group]
     streams: dict = {}  # the latest replay stream of each record stream
+    records = records_of(f for _, f in targets)
 
     shown = start_progress(progress, asked)
     asked = {id(f) for f in asked}
@@ -148,7 +149,7 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
         shown.close()
     # The fakes swapped out are gone with `computed` (see api._materialize).
     del computed
-    hand_over_generators(streams.values(), device)
+    hand_over_generators(streams.values(), device, records)
     return True
 
 

@@ -226,3 +226,57 @@ def test_two_models_back_to_back_cuda_on_cpu():
     materialize_module(d2, device="cpu")
     assert_same_module(e1, d1)
     assert_same_module(e2, d2)
+
+
+class OnlyTemporariesDraw(nn.Module):
+    """Its tensors draw nothing; random temporaries of the constructor do
+    (a dropout mask computed once, a random probe thrown away)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("b", torch.arange(6.0))
+        self.w = nn.Parameter(torch.ones(2, 3))
+        probe = torch.empty(5).uniform_()
+        _ = torch.randn(3, 2) * probe.sum()
+
+
+@pytest.mark.parametrize("how", ["module", "module(device=cpu)", "tensor by tensor", "buffers_only then rest"])
+def test_handover_when_only_dead_temporaries_draw(how):
+    """A record whose draws are all temporaries: the materialization of its
+    tensors (which need none of the draws) still leaves the generator where
+    eager construction left it."""
+    torch.manual_seed(0)
+    eager = OnlyTemporariesDraw()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(OnlyTemporariesDraw)
+    if how == "module":
+        materialize_module(d)
+    elif how == "module(device=cpu)":
+        materialize_module(d, device="cpu")
+    elif how == "tensor by tensor":
+        materialize_tensor(d.b)
+        materialize_tensor(d.w)
+    else:
+        materialize_module(d, buffers_only=True)
+        materialize_module(d)
+    d_after = torch.rand(8)
+    assert_same_module(eager, d)
+    assert_stream(eager_after, d_after)
+
+
+def test_handover_waits_while_a_drawn_tensor_stays_deferred():
+    """The control: a tensor that drew is still deferred, so the generator
+    waits for it (moving it now would lose the draws' order)."""
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 3)
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(nn.Linear, 4, 3)
+    materialize_tensor(d.weight)  # the bias, drawn after, is still deferred
+    state = torch.get_rng_state()
+    torch.manual_seed(0)
+    assert torch.equal(state, torch.get_rng_state()), "the generator moved while a later draw is deferred"
+    materialize_tensor(d.bias)
+    assert_same_module(eager, d)
+    assert_stream(eager_after, torch.rand(8))
