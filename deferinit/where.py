@@ -56,6 +56,9 @@ def _named_tensors(module):
 
 
 _CALL_IMPL = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module._wrapped_call_impl.__code__})
+# A lazy module's first forward makes its parameters (``initialize_parameters``
+# in a forward pre-hook): that builds the model, it does not run it.
+_LAZY_INIT = torch.nn.modules.lazy.LazyModuleMixin._infer_parameters.__code__
 
 
 def training() -> tuple:
@@ -72,6 +75,8 @@ def training() -> tuple:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
+        if code is _LAZY_INIT:
+            return None, None, backward
         if code in _CALL_IMPL or code.co_name == "forward":
             owner = frame.f_locals.get("self")
             if isinstance(owner, torch.nn.Module):

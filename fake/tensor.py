@@ -287,9 +287,15 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout
     return result
 
 
+_shape = torch.Tensor.shape.__get__
+_dtype = torch.Tensor.dtype.__get__
+_device = torch.Tensor.device.__get__
+
+
 def describe(t: torch.Tensor) -> str:
-    """A short description of a tensor that never reads its data."""
-    return f"(size={tuple(t.shape)}, dtype={t.dtype}, device='{t.device}')"
+    """A short description of a tensor that never reads its data (nor asks a
+    subclass that refuses to tell its shape, like ``UninitializedParameter``)."""
+    return f"(size={tuple(_shape(t))}, dtype={_dtype(t)}, device='{_device(t)}')"
 
 
 def is_fake(t) -> bool:

@@ -62,7 +62,11 @@ class Replay(Plan):
         self.autograd = autograd
         self.labels = labels or [None] * len(targets)
         self.progress = progress
-        super().__init__(targets, device=device, extra=extra)
+        # Eager's autograd graphs go through computations whose values later
+        # writes overwrite (a load into a buffer computed from parameters
+        # keeps the computation's grad_fn): with graphs to rebuild, nothing
+        # is eliminated.
+        super().__init__(targets, device=device, extra=extra, eliminate=autograd is None)
         if check_devices:
             self._check_devices()
 

@@ -201,3 +201,32 @@ def test_every_draw_runs_once_for_a_transformer():
     assert torch.equal(next_draw, eager_next)
     random = lambda names: sorted(n for n in names if n in ("aten::uniform_", "aten::normal_"))  # noqa: E731
     assert random(ran) == random(eager_ran)
+
+
+class OverwrittenGraph(nn.Module):
+    """A buffer computed from a parameter with autograd, whose values a write
+    under no_grad then replaces: eagerly it keeps the computation's grad_fn."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        b = torch.where(self.w > 0, self.w, self.w * 2)
+        with torch.no_grad():
+            if how == "fill_":
+                b.fill_(1.5)
+            else:
+                b.copy_(torch.arange(4.0))
+        self.register_buffer("b", b)
+
+
+@pytest.mark.parametrize("how", ["fill_", "copy_"])
+def test_overwritten_work_still_builds_eagers_autograd_graph(how):
+    torch.manual_seed(0)
+    eager = OverwrittenGraph(how)
+    torch.manual_seed(0)
+    d = materialize_module(deferred_init(OverwrittenGraph, how))
+    assert_same_tensors(eager, d)
+    assert type(d.b.grad_fn) is type(eager.b.grad_fn) and d.b.grad_fn is not None
+    d.b.sum().backward()
+    eager.b.sum().backward()
+    assert torch.equal(d.w.grad, eager.w.grad)

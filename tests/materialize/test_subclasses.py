@@ -131,19 +131,50 @@ def test_lazy_module_forward_inside_constructor(name):
     assert type(eager.inner) is type(deferred.inner)
 
 
+# Forward passes of these write buffers in training mode (running statistics).
+WRITES_IN_TRAINING = ("LazyBatchNorm1d", "LazyBatchNorm2d(momentum=None)")
+
+
+@pytest.mark.filterwarnings("ignore::deferinit.DeferredModuleWarning")
 @pytest.mark.parametrize("name", list(LAZY))
 def test_lazy_module_forward_after_deferral(name):
-    """The first forward on the deferred module: its parameters become deferred."""
+    """The first forward on the deferred module makes its parameters (recorded,
+    as construction is); the pass itself runs on fakes, unrecorded."""
     make, shape = LAZY[name]
     torch.manual_seed(1)
     x = torch.randn(*shape)
     torch.manual_seed(0)
     eager = make()
+    if name in WRITES_IN_TRAINING:
+        eager.eval()
     eager(x)
     torch.manual_seed(0)
     deferred = deferred_init(make)
+    if name in WRITES_IN_TRAINING:
+        deferred.eval()
     out = deferred(x)
     assert is_deferred(deferred) and is_fake(out) and type(deferred) is type(eager)
+    materialize_module(deferred)
+    assert_same_tensors(eager, deferred)
+
+
+@pytest.mark.filterwarnings("ignore::deferinit.DeferredModuleWarning")
+@pytest.mark.parametrize("name", WRITES_IN_TRAINING)
+def test_lazy_module_forward_that_writes_buffers_is_refused(name):
+    """In training mode the pass updates running statistics: a write a pass on
+    fakes can neither record nor drop (DeferredWriteError); the parameters the
+    lazy module made before it stay deferred and materialize as eagerly."""
+    from deferinit import DeferredWriteError
+
+    make, shape = LAZY[name]
+    x = torch.randn(*shape)
+    torch.manual_seed(0)
+    eager = make()
+    eager.initialize_parameters(x)
+    torch.manual_seed(0)
+    deferred = deferred_init(make)
+    with pytest.raises(DeferredWriteError, match="running_mean|num_batches_tracked"):
+        deferred(x)
     materialize_module(deferred)
     assert_same_tensors(eager, deferred)
 
