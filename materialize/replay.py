@@ -29,6 +29,7 @@ from fake.flat import flatten_output, unflatten
 from fake.opinfo import op_info
 from fake.tensor import describe
 
+from .autograd import view_again
 from .draws import Draws
 from .modes import check_sources, run_marked, scratch_for
 
@@ -36,6 +37,8 @@ __all__ = ["Replay", "read_of"]
 
 _alias = torch.ops.aten.alias.default
 _detach = torch.ops.aten.detach.default
+_get_creation_meta = torch._C._autograd._get_creation_meta
+_set_creation_meta = torch._C._autograd._set_creation_meta
 
 
 class Replay(Plan):
@@ -199,16 +202,32 @@ class Replay(Plan):
         alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
         if alone and ((t.requires_grad and not plain) or (node.grad is not None and t._is_view())):
             return t
-        return _detach(t) if node.grad is not None else _alias(t)
+        if node.grad is not None or not (t.requires_grad or t._is_view()):
+            # No autograd view where eagerly the tensor is none: an alias
+            # taken under no_grad would refuse a later in-place op under grad
+            # mode (``p.data.copy_(p)`` after ``p.t_()``), eagerly allowed.
+            return _detach(t)
+        out = _alias(t)
+        if t._is_view():
+            # The view it is eagerly, taken in the grad mode it was taken in.
+            _set_creation_meta(out, _get_creation_meta(t))
+        return out
 
     def _run_with_grad(self, node: Node, args: list, draws=None):
+        bound = set()
         for pos, leaf in node.grad:
+            bound.add(pos)
             if leaf is None:
                 if args[pos].requires_grad:
                     # What t.data gives: no graph, a version counter of its own.
                     args[pos] = args[pos].data
             else:
                 args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
+        if not node.no_grad:
+            for pos, x in enumerate(node.flat):
+                if pos not in bound and type(x) is Input and args[pos].requires_grad:
+                    # Autograd reads its grad_fn here, eagerly without error.
+                    args[pos] = view_again(args[pos])
         a, k = unflatten(args, node.spec)
         with torch.set_grad_enabled(not node.no_grad):
             return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
