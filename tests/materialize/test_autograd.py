@@ -438,3 +438,43 @@ def test_grad_write_after_no_grad_reshape(how, order):
     assert_same_tensors(eager, m)
     for name, e in named_tensors(eager).items():
         assert _autograd_facts(e) == _autograd_facts(named_tensors(m)[name]), name
+
+
+class MyParameter(nn.Parameter):
+    pass
+
+
+class ParameterWrittenWithGrad(nn.Module):
+    """A parameter that does not require grad, written in place under grad mode
+    from one that does: eagerly still the same Parameter object, now with a
+    ``grad_fn`` (found by the fuzzer)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.src = nn.Parameter(torch.randn(3))
+        cls = MyParameter if how == "a Parameter subclass" else nn.Parameter
+        self.dst = cls(torch.zeros(3), requires_grad=False)
+        if how in ("copy_", "a Parameter subclass"):
+            self.dst.copy_(self.src)
+        elif how == "add_":
+            self.dst.add_(self.src * 2)
+
+
+@pytest.mark.parametrize("how", ["copy_", "add_", "a Parameter subclass", "set_ after construction"])
+@pytest.mark.parametrize("order", ["module", "tensors"])
+def test_parameter_written_with_grad_stays_a_parameter(how, order):
+    eager, m = eager_and_deferred(ParameterWrittenWithGrad, how)
+    if how == "set_ after construction":
+        eager.dst.set_(eager.src)
+        m.dst.set_(m.src)
+    if order == "module":
+        materialize_module(m)
+    else:
+        materialize_tensor(m.dst)
+        materialize_tensor(m.src)
+    assert_same_tensors(eager, m)
+    if how == "set_ after construction":
+        # set_ has no derivative (NotImplemented): backward raises, eagerly too.
+        assert _autograd_facts(eager.dst) == _autograd_facts(m.dst)
+    else:
+        assert_same_autograd(eager, m, "dst")
