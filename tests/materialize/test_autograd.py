@@ -478,3 +478,44 @@ def test_parameter_written_with_grad_stays_a_parameter(how, order):
         assert _autograd_facts(eager.dst) == _autograd_facts(m.dst)
     else:
         assert_same_autograd(eager, m, "dst")
+
+
+class SetFromParameter(nn.Module):
+    """A buffer that ``set_`` made share a parameter's memory under grad mode
+    (eagerly a NotImplemented grad_fn reaching the parameter), materialized
+    after the parameter (found by the fuzzer)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(2, 3))
+        b = torch.zeros(())
+        b.div_(3.25)
+        if how == "whole tensor":
+            b.set_(self.p)
+        elif how == "a parameter of its own":
+            b.set_(nn.Parameter(torch.ones(2)))
+        elif how == "set_ of a view":
+            with torch.no_grad():
+                v = self.p[1]
+            b.set_(v)
+        self.register_buffer("b", b)
+
+
+@pytest.mark.parametrize("how", ["whole tensor", "a parameter of its own", "set_ of a view"])
+@pytest.mark.parametrize("order", ["parameter first", "buffer first", "module"])
+def test_set_from_a_parameter_materialized_before(how, order):
+    eager, m = eager_and_deferred(SetFromParameter, how)
+    if order == "parameter first":
+        materialize_tensor(m.p)
+        materialize_module(m)
+    elif order == "buffer first":
+        materialize_tensor(m.b)
+        materialize_tensor(m.p)
+    else:
+        materialize_module(m)
+    assert_same_tensors(eager, m)
+    assert _autograd_facts(eager.b) == _autograd_facts(m.b)
+    if how != "a parameter of its own":
+        assert m.b.untyped_storage().data_ptr() == m.p.untyped_storage().data_ptr()
+    if how == "whole tensor":
+        assert m.b.grad_fn.next_functions[-1][0].variable is m.p
