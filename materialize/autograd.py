@@ -56,7 +56,10 @@ def view_again(t: torch.Tensor, fake: torch.Tensor | None = None) -> torch.Tenso
     counter has moved.  Eagerly a write through ``t.data`` (a version counter
     of its own) moves nothing; replay writes the memory through whichever
     tensor holds the value, and does.  Taken again, the view starts from the
-    counter as it is: what eager's view is, bar the counter's number.
+    counter as it is: what eager's view is, bar the counter's number.  It is
+    taken empty and then pointed at ``t``'s memory: the base's may have been
+    replaced since (``p.data = ...``), as eagerly, and the counter is put
+    back where ``set_`` moved it, for the base and its other views.
     """
     if not t._is_view() or t._base is None or t.dtype != t._base.dtype:
         return t
@@ -65,7 +68,11 @@ def view_again(t: torch.Tensor, fake: torch.Tensor | None = None) -> torch.Tenso
     if fake is not None and _raises_grad_fn(fake):
         return t  # eagerly too
     with torch.no_grad():
-        return t._base.as_strided(t.size(), t.stride(), t.storage_offset())
+        out = t._base.as_strided((0,), (1,), 0)
+        version = out._version
+        out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+    return out
 
 
 _NO_GRAD_MODE = torch._C._autograd.CreationMeta.NO_GRAD_MODE

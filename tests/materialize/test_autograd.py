@@ -354,6 +354,9 @@ class WritesBehindNoGradViews(nn.Module):
         elif how == "computed from the view afterwards":
             v.data.fill_(2.0)
             v = v.neg()
+        elif how == "parameter's data replaced by a smaller tensor":
+            v.data.fill_(1.0)
+            p.data = torch.ones(1)
         elif how == "written under no_grad (eagerly raises too)":
             with torch.no_grad():
                 p.add_(1.0)
@@ -370,7 +373,8 @@ def _autograd_facts(t):
 
 @pytest.mark.parametrize("how", [
     "through the view's data", "through the tensor the parameter was made from", "view of the view",
-    "computed from the view afterwards", "written under no_grad (eagerly raises too)"])
+    "computed from the view afterwards", "parameter's data replaced by a smaller tensor",
+    "written under no_grad (eagerly raises too)"])
 @pytest.mark.parametrize("order", ["module", "tensors"])
 def test_writes_behind_no_grad_views(how, order):
     eager, m = eager_and_deferred(WritesBehindNoGradViews, how)
@@ -384,6 +388,8 @@ def test_writes_behind_no_grad_views(how, order):
     assert _autograd_facts(eager.out) == _autograd_facts(m.out)
     if m.out._is_view():
         assert m.out._base is m.p
+    shared = [x.out.untyped_storage()._cdata == x.p.untyped_storage()._cdata for x in (eager, m)]
+    assert shared[0] == shared[1]
 
 
 def test_data_write_into_no_grad_view_after_construction():
