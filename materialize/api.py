@@ -11,7 +11,7 @@ from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 
-from .autograd import Binder, check_graph, deferred_leaves, leaf_token, needs_graph, same_memory
+from .autograd import Binder, check_graph, deferred_leaves, leaf_token, needs_graph, same_memory, view_again
 
 from .generators import hand_over_generators, records_of
 from .progress import start_progress
@@ -198,6 +198,7 @@ def _dressed(targets, reals, inference, binder) -> list:
             if made.requires_grad != fake.requires_grad:
                 made.requires_grad_(fake.requires_grad)
         if not inference:
+            real = view_again(real, fake)
             check_graph(name, fake, real, binder)
         pairs.append((fake, dress(fake, real, inference, made)))
     seen = {}

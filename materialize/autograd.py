@@ -38,6 +38,46 @@ def grad_fn_of(t: torch.Tensor):
         return None
 
 
+def _raises_grad_fn(t: torch.Tensor) -> bool:
+    try:
+        t.grad_fn
+    except RuntimeError:
+        return True
+    return False
+
+
+def view_again(t: torch.Tensor, fake: torch.Tensor | None = None) -> torch.Tensor:
+    """``t``, or the same view of the same base taken again under ``no_grad``
+    where replay's writes made reading its ``grad_fn`` raise and eager's does
+    not (``fake`` says so; without it, eager read it without error).
+
+    A view taken under ``no_grad`` shares its base's version counter, and
+    autograd refuses to read the ``grad_fn`` of such a view once that
+    counter has moved.  Eagerly a write through ``t.data`` (a version counter
+    of its own) moves nothing; replay writes the memory through whichever
+    tensor holds the value, and does.  Taken again, the view starts from the
+    counter as it is: what eager's view is, bar the counter's number.  It is
+    taken empty and then pointed at ``t``'s memory: the base's may have been
+    replaced since (``p.data = ...``), as eagerly, and the counter is put
+    back where ``set_`` moved it, for the base and its other views.
+    """
+    if not t._is_view() or t._base is None or t.dtype != t._base.dtype:
+        return t
+    if torch._C._autograd._get_creation_meta(t) != _NO_GRAD_MODE or not _raises_grad_fn(t):
+        return t
+    if fake is not None and _raises_grad_fn(fake):
+        return t  # eagerly too
+    with torch.no_grad():
+        out = t._base.as_strided((0,), (1,), 0)
+        version = out._version
+        out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+    return out
+
+
+_NO_GRAD_MODE = torch._C._autograd.CreationMeta.NO_GRAD_MODE
+
+
 def is_grad_view(t: torch.Tensor) -> bool:
     """A view requiring grad without a graph of its own: taken under
     ``no_grad`` from a tensor that requires grad (eagerly it stays a view of

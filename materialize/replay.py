@@ -29,6 +29,7 @@ from fake.flat import flatten_output, unflatten
 from fake.opinfo import op_info
 from fake.tensor import describe
 
+from .autograd import view_again
 from .draws import Draws
 from .modes import check_sources, run_marked, scratch_for
 
@@ -36,6 +37,8 @@ __all__ = ["Replay", "read_of"]
 
 _alias = torch.ops.aten.alias.default
 _detach = torch.ops.aten.detach.default
+_get_creation_meta = torch._C._autograd._get_creation_meta
+_set_creation_meta = torch._C._autograd._set_creation_meta
 
 
 class Replay(Plan):
@@ -199,42 +202,75 @@ class Replay(Plan):
         alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
         if alone and ((t.requires_grad and not plain) or (node.grad is not None and t._is_view())):
             return t
-        return _detach(t) if node.grad is not None else _alias(t)
+        if node.grad is not None or not (t.requires_grad or t._is_view()):
+            # No autograd view where eagerly the tensor is none: an alias
+            # taken under no_grad would refuse a later in-place op under grad
+            # mode (``p.data.copy_(p)`` after ``p.t_()``), eagerly allowed.
+            return _detach(t)
+        out = _alias(t)
+        if t._is_view():
+            # The view it is eagerly, taken in the grad mode it was taken in.
+            _set_creation_meta(out, _get_creation_meta(t))
+        return out
 
     def _run_with_grad(self, node: Node, args: list, draws=None):
+        bound = set()
         for pos, leaf in node.grad:
+            bound.add(pos)
             if leaf is None:
                 if args[pos].requires_grad:
                     # What t.data gives: no graph, a version counter of its own.
                     args[pos] = args[pos].data
             else:
                 args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
+        if not node.no_grad:
+            for pos, x in enumerate(node.flat):
+                if pos not in bound and type(x) is Input and args[pos].requires_grad:
+                    # Autograd reads its grad_fn here, eagerly without error.
+                    args[pos] = view_again(args[pos])
         a, k = unflatten(args, node.spec)
         with torch.set_grad_enabled(not node.no_grad):
             return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 
     def _view_again(self, inp: Input, env, real_views, real: torch.Tensor) -> torch.Tensor:
         """A target that is a view of memory already real, and belongs to an
-        autograd graph: its view node runs again on the real leaf objects."""
-        node = inp.value.node
-        if not real_read(inp) or node.kind != "op" or node.grad is None or node.rng is not None:
+        autograd graph: its view node (or the ``set_`` that made it share that
+        memory) runs again on the real leaf objects."""
+        if not real_read(inp) or not _aliases_with_grad(inp.value.node):
             return real
-        if op_info(node.target).view_arg is None:
-            return real
+        outs = self._run_again(inp.value.node, env, real_views)
+        return real if outs is None else outs[inp.value.index]
+
+    def _run_again(self, node: Node, env, real_views) -> list | None:
+        """The outputs of ``node`` run again with grad, or None where an input is gone."""
+        is_set = op_info(node.target).opname == "set_"
+        bound = {pos for pos, leaf in node.grad if leaf is not None}
+        plain = {pos for pos, leaf in node.grad if leaf is None}
         args = []
-        for x in node.flat:
+        for pos, x in enumerate(node.flat):
             if type(x) is Input:
                 storage = x.value.storage
                 if storage is not None and storage.real is not None:
                     # A view depends on the geometry, not on the version read.
                     x = Input(x.value, storage.real_head)
+                    if pos not in bound and _aliases_with_grad(x.value.node):
+                        # A view of real memory read with its autograd
+                        # relation (a view of a parameter taken under no_grad).
+                        outs = self._run_again(x.value.node, env, real_views)
+                        if outs is not None:
+                            args.append(outs[x.value.index])
+                            continue
+                elif is_set and pos in plain and pos in node.writes:
+                    # What set_ replaces: its values never matter, and no
+                    # graph reaches it; a tensor of its own stands in.
+                    args.append(torch.empty(0, dtype=x.value.dtype, device=self.device_map(x.value.device)))
+                    continue
                 elif x.value.key not in env:
-                    return real
+                    return None
                 x = self._resolve(x, env, real_views)
             args.append(x)
         out = self._run_with_grad(node, args)
-        outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
-        return outs[inp.value.index]
+        return [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
 
     def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
         value = inp.value
@@ -266,6 +302,14 @@ class Replay(Plan):
             f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "
             f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
         )
+
+
+def _aliases_with_grad(node: Node) -> bool:
+    """A view, or a ``set_`` from a tensor, that autograd saw eagerly."""
+    if node.kind != "op" or node.grad is None or node.rng is not None:
+        return False
+    info = op_info(node.target)
+    return info.view_arg is not None or info.opname == "set_"
 
 
 @contextlib.contextmanager

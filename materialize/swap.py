@@ -63,6 +63,10 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
                 "materialize_module call. Nothing was changed."
             )
         obj = real
+        if cls is not None and type(obj) is not cls:
+            # A parameter written in place under grad mode (``p.set_(q)``):
+            # eagerly the same Parameter object, now with a grad_fn.
+            obj.__class__ = cls
     else:
         with torch.inference_mode(False):
             obj = _leaf(cls, real, fake.requires_grad and floating)

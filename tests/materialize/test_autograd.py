@@ -13,7 +13,7 @@ from torch.nn.utils import parametrize
 
 from deferinit import AutogradMaterializationError, deferred_init, is_deferred
 from fake import is_fake
-from helpers import assert_same_tensors, eager_and_deferred
+from helpers import assert_same_tensors, eager_and_deferred, named_tensors
 from materialize import materialize_module, materialize_tensor
 
 
@@ -329,3 +329,199 @@ def test_views_taken_under_no_grad(how):
     assert (e.requires_grad, e.is_leaf, e._is_view(), _graph(e)) == (d.requires_grad, d.is_leaf, d._is_view(), _graph(d))
     if how == "the view and its parameter":
         assert d._base is m.p
+
+
+class WritesBehindNoGradViews(nn.Module):
+    """Writes to the memory of a view taken under no_grad, through an object
+    with a version counter of its own (``.data``): eagerly the view's
+    ``grad_fn`` stays readable (found by the fuzzer)."""
+
+    def __init__(self, how):
+        super().__init__()
+        t0 = torch.zeros(2, 2)
+        p = nn.Parameter(t0)
+        with torch.no_grad():
+            v = p.view(4)
+        self.p = p
+        if how == "through the view's data":
+            v.data.fill_(1.0)
+        elif how == "through the tensor the parameter was made from":
+            t0.data.clamp_(0.0, 0.0)
+        elif how == "view of the view":
+            with torch.no_grad():
+                v = v[1:]
+            p.data.add_(1.0)
+        elif how == "computed from the view afterwards":
+            v.data.fill_(2.0)
+            v = v.neg()
+        elif how == "parameter's data replaced by a smaller tensor":
+            v.data.fill_(1.0)
+            p.data = torch.ones(1)
+        elif how == "written under no_grad (eagerly raises too)":
+            with torch.no_grad():
+                p.add_(1.0)
+        self.register_buffer("out", v)
+
+
+def _autograd_facts(t):
+    try:
+        graph = _graph(t)
+    except RuntimeError as e:
+        return ("raises", str(e)[:40])
+    return (t.requires_grad, t.is_leaf, t._is_view(), graph)
+
+
+@pytest.mark.parametrize("how", [
+    "through the view's data", "through the tensor the parameter was made from", "view of the view",
+    "computed from the view afterwards", "parameter's data replaced by a smaller tensor",
+    "written under no_grad (eagerly raises too)"])
+@pytest.mark.parametrize("order", ["module", "tensors"])
+def test_writes_behind_no_grad_views(how, order):
+    eager, m = eager_and_deferred(WritesBehindNoGradViews, how)
+    if order == "module":
+        materialize_module(m)
+    else:
+        materialize_tensor(m.out)
+        materialize_tensor(m.p)
+    assert_same_tensors(eager, m)
+    assert torch.equal(eager.out.detach(), m.out.detach())
+    assert _autograd_facts(eager.out) == _autograd_facts(m.out)
+    if m.out._is_view():
+        assert m.out._base is m.p
+    shared = [x.out.untyped_storage()._cdata == x.p.untyped_storage()._cdata for x in (eager, m)]
+    assert shared[0] == shared[1]
+
+
+def test_data_write_into_no_grad_view_after_construction():
+    """The fuzzer's case: the write comes after deferred_init returned."""
+    eager, m = eager_and_deferred(WritesBehindNoGradViews, "none")
+    eager.out.data.fill_(0.5)
+    m.out.data.fill_(0.5)
+    materialize_module(m)
+    assert torch.equal(eager.out, m.out.detach())
+    assert _autograd_facts(eager.out) == _autograd_facts(m.out)
+
+
+class GradWriteAfterNoGradReshape(nn.Module):
+    """An in-place op under grad mode on a tensor whose geometry an in-place op
+    under no_grad changed before (found by the fuzzer): eagerly allowed."""
+
+    def __init__(self, how):
+        super().__init__()
+        p = nn.Parameter(torch.zeros(1, 2))
+        if how == "parameter with replaced data":
+            p.data = torch.randn(1, 2)
+            with torch.no_grad():
+                p.t_()
+                v = p.squeeze()
+            p.data.copy_(p)
+            self.register_buffer("v", v)
+            self.p = p
+        else:
+            x = torch.zeros(4)
+            v = x[1:3]
+            if how == "view of a plain tensor, old geometry kept":
+                self.register_buffer("w", v.detach())
+            with torch.no_grad():
+                v.unsqueeze_(0)
+            v.copy_(p)
+            self.register_buffer("x", x)
+            self.register_buffer("v", v)
+            self.p = p
+
+
+@pytest.mark.parametrize("how", [
+    "parameter with replaced data", "view of a plain tensor", "view of a plain tensor, old geometry kept"])
+@pytest.mark.parametrize("order", ["module", "tensors"])
+def test_grad_write_after_no_grad_reshape(how, order):
+    eager, m = eager_and_deferred(GradWriteAfterNoGradReshape, how)
+    if order == "module":
+        materialize_module(m)
+    else:
+        for t in reversed(list(m.buffers())):
+            materialize_tensor(t)
+        materialize_tensor(m.p)
+    assert_same_tensors(eager, m)
+    for name, e in named_tensors(eager).items():
+        assert _autograd_facts(e) == _autograd_facts(named_tensors(m)[name]), name
+
+
+class MyParameter(nn.Parameter):
+    pass
+
+
+class ParameterWrittenWithGrad(nn.Module):
+    """A parameter that does not require grad, written in place under grad mode
+    from one that does: eagerly still the same Parameter object, now with a
+    ``grad_fn`` (found by the fuzzer)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.src = nn.Parameter(torch.randn(3))
+        cls = MyParameter if how == "a Parameter subclass" else nn.Parameter
+        self.dst = cls(torch.zeros(3), requires_grad=False)
+        if how in ("copy_", "a Parameter subclass"):
+            self.dst.copy_(self.src)
+        elif how == "add_":
+            self.dst.add_(self.src * 2)
+
+
+@pytest.mark.parametrize("how", ["copy_", "add_", "a Parameter subclass", "set_ after construction"])
+@pytest.mark.parametrize("order", ["module", "tensors"])
+def test_parameter_written_with_grad_stays_a_parameter(how, order):
+    eager, m = eager_and_deferred(ParameterWrittenWithGrad, how)
+    if how == "set_ after construction":
+        eager.dst.set_(eager.src)
+        m.dst.set_(m.src)
+    if order == "module":
+        materialize_module(m)
+    else:
+        materialize_tensor(m.dst)
+        materialize_tensor(m.src)
+    assert_same_tensors(eager, m)
+    if how == "set_ after construction":
+        # set_ has no derivative (NotImplemented): backward raises, eagerly too.
+        assert _autograd_facts(eager.dst) == _autograd_facts(m.dst)
+    else:
+        assert_same_autograd(eager, m, "dst")
+
+
+class SetFromParameter(nn.Module):
+    """A buffer that ``set_`` made share a parameter's memory under grad mode
+    (eagerly a NotImplemented grad_fn reaching the parameter), materialized
+    after the parameter (found by the fuzzer)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(2, 3))
+        b = torch.zeros(())
+        b.div_(3.25)
+        if how == "whole tensor":
+            b.set_(self.p)
+        elif how == "a parameter of its own":
+            b.set_(nn.Parameter(torch.ones(2)))
+        elif how == "set_ of a view":
+            with torch.no_grad():
+                v = self.p[1]
+            b.set_(v)
+        self.register_buffer("b", b)
+
+
+@pytest.mark.parametrize("how", ["whole tensor", "a parameter of its own", "set_ of a view"])
+@pytest.mark.parametrize("order", ["parameter first", "buffer first", "module"])
+def test_set_from_a_parameter_materialized_before(how, order):
+    eager, m = eager_and_deferred(SetFromParameter, how)
+    if order == "parameter first":
+        materialize_tensor(m.p)
+        materialize_module(m)
+    elif order == "buffer first":
+        materialize_tensor(m.b)
+        materialize_tensor(m.p)
+    else:
+        materialize_module(m)
+    assert_same_tensors(eager, m)
+    assert _autograd_facts(eager.b) == _autograd_facts(m.b)
+    if how != "a parameter of its own":
+        assert m.b.untyped_storage().data_ptr() == m.p.untyped_storage().data_ptr()
+    if how == "whole tensor":
+        assert m.b.grad_fn.next_functions[-1][0].variable is m.p
