@@ -182,6 +182,11 @@ class Binder:
     def __call__(self, token, tensor: torch.Tensor, inp) -> torch.Tensor:
         obj = self.made.get(id(token))
         if obj is not None:
+            if not same_memory(obj, tensor):
+                # The leaf's data was replaced since autograd last read it
+                # (``t.data = ...``): eagerly the same object, other memory.
+                with torch.no_grad():
+                    obj.data = tensor
             return obj
         fake = self.fakes.get(id(token))
         if fake is not None:

@@ -1280,6 +1280,27 @@ FIXED = {
         'self.register_buffer("b_t1", t1, persistent=False)',
         'self.register_parameter("p_t4", t4)',
     ], {}, post=["t_b_t1.zero_()", "t_b_t1.set_(t_p_t4)"]),
+    # A parameter's .data replaced between two reads autograd recorded: the
+    # replay's leaf object moves to the new memory, as eagerly.
+    "data_swap_between_grad_reads": _prog(
+        "t0 = nn.Parameter(torch.empty((2, 4), dtype=torch.float32)); nn.init.uniform_(t0, -0.5, 0.5)",
+        "t1 = t0.clone()",
+        "t0.data = torch.randn((2, 0, 0), dtype=torch.float32)",
+        "with torch.no_grad(): t2 = t0.expand_as(t0)",
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t2)',
+    ),
+    "data_swap_dtype_between_grad_reads": _prog(
+        "t0 = nn.Parameter(torch.empty((2, 4), dtype=torch.float32)); nn.init.uniform_(t0, -0.5, 0.5)",
+        "t1 = t0.sum()",
+        "t0.data = torch.randn((2,), dtype=torch.float64)",
+        "t2 = t0.exp()",
+        "with torch.no_grad(): t3 = t0[1:]",
+        'self.register_parameter("p", t0)',
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t2)',
+        'self.register_buffer("c", t3)',
+    ),
     "numpy_and_python_dtypes": _prog(
         "t0 = torch.randn(2, 3)",
         "t1 = torch.from_numpy(t0.numpy().copy())",
