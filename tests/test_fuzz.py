@@ -1373,7 +1373,13 @@ def test_deepcopy_of_outside_tensor():
     ["t0 = torch.arange(2)", "t1 = copy.deepcopy(t0[1:])", 'self.register_buffer("a", t1)'],
     ["t0 = torch.randn(4)", "t1, t2 = copy.deepcopy([t0, t0[1:]])",
      'self.register_buffer("a", t1)', 'self.register_buffer("b", t2)'],
-], ids=["offset", "aliasing"])
+    # A copy is no view (eagerly set_ on a new storage): views taken of it
+    # under no_grad require grad as it does.
+    ["t0 = nn.Parameter(torch.zeros(3))", "with torch.no_grad(): t1 = t0[1:]", "t2 = copy.deepcopy(t1)",
+     "with torch.no_grad(): t3 = t2.view(2)", 'self.register_buffer("a", t3)', 'self.register_buffer("b", t2)'],
+    ["t0 = nn.Parameter(torch.zeros(2))", "with torch.no_grad(): t1 = t0.view(2)", "t2 = copy.deepcopy(t1)",
+     "with torch.no_grad(): t3 = t2.t()", 'self.register_buffer("a", t3)'],
+], ids=["offset", "aliasing", "no_grad_view_of_copy", "no_grad_view_of_whole_copy"])
 def test_deepcopy_of_views(lines):
     """copy.deepcopy of deferred views copies the whole storage once per memo, as
     eager does: offsets kept, views copied together still alias. Found by the
