@@ -62,4 +62,8 @@ def _copy_through_storage(t: torch.Tensor, memo: dict) -> torch.Tensor:
         whole = torch.as_strided(t.detach(), (nbytes // itemsize,), (1,), 0).clone()
         memo[key] = whole
         memo.setdefault(id(memo), []).append(whole)  # the memo's keep-alive list
-    return whole.as_strided(t.size(), t.stride(), t.storage_offset())
+    # A tensor set_ on the copied storage, as eagerly: no view of the copy
+    # (a view would take its requires_grad from the copy's, under no_grad).
+    result = whole.new_empty(0)
+    result.set_(whole, t.storage_offset(), t.size(), t.stride())
+    return result

@@ -180,8 +180,20 @@ class Binder:
         self.views_again = [i for i, (_, fake) in enumerate(targets) if needs_graph(fake)]
 
     def __call__(self, token, tensor: torch.Tensor, inp) -> torch.Tensor:
+        real = token.real
+        if real is not None and same_memory(real, tensor):
+            # Materialized before, and this is its memory (a read of a
+            # storage already real, or a view node taken again from it),
+            # even where an older version of it, computed afresh, got an
+            # object of its own below.
+            return real
         obj = self.made.get(id(token))
         if obj is not None:
+            if not same_memory(obj, tensor):
+                # The leaf's data was replaced since autograd last read it
+                # (``t.data = ...``): eagerly the same object, other memory.
+                with torch.no_grad():
+                    obj.data = tensor
             return obj
         fake = self.fakes.get(id(token))
         if fake is not None:
@@ -191,11 +203,6 @@ class Binder:
                 # came later, and is applied after the replay, as eagerly).
                 obj.requires_grad_(True)
             return obj
-        real = token.real
-        if real is not None and same_memory(real, tensor):
-            # Materialized before, and this is its memory (a read of a
-            # storage already real, or a view node taken again from it).
-            return real
         # A leaf no target's graph accumulates into (a temporary parameter
         # only viewed under no_grad): a leaf of its own, that nothing sees.
         obj = self.made[id(token)] = tensor.detach().requires_grad_(True)

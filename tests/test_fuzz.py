@@ -1280,6 +1280,27 @@ FIXED = {
         'self.register_buffer("b_t1", t1, persistent=False)',
         'self.register_parameter("p_t4", t4)',
     ], {}, post=["t_b_t1.zero_()", "t_b_t1.set_(t_p_t4)"]),
+    # A parameter's .data replaced between two reads autograd recorded: the
+    # replay's leaf object moves to the new memory, as eagerly.
+    "data_swap_between_grad_reads": _prog(
+        "t0 = nn.Parameter(torch.empty((2, 4), dtype=torch.float32)); nn.init.uniform_(t0, -0.5, 0.5)",
+        "t1 = t0.clone()",
+        "t0.data = torch.randn((2, 0, 0), dtype=torch.float32)",
+        "with torch.no_grad(): t2 = t0.expand_as(t0)",
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t2)',
+    ),
+    "data_swap_dtype_between_grad_reads": _prog(
+        "t0 = nn.Parameter(torch.empty((2, 4), dtype=torch.float32)); nn.init.uniform_(t0, -0.5, 0.5)",
+        "t1 = t0.sum()",
+        "t0.data = torch.randn((2,), dtype=torch.float64)",
+        "t2 = t0.exp()",
+        "with torch.no_grad(): t3 = t0[1:]",
+        'self.register_parameter("p", t0)',
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t2)',
+        'self.register_buffer("c", t3)',
+    ),
     "numpy_and_python_dtypes": _prog(
         "t0 = torch.randn(2, 3)",
         "t1 = torch.from_numpy(t0.numpy().copy())",
@@ -1352,7 +1373,13 @@ def test_deepcopy_of_outside_tensor():
     ["t0 = torch.arange(2)", "t1 = copy.deepcopy(t0[1:])", 'self.register_buffer("a", t1)'],
     ["t0 = torch.randn(4)", "t1, t2 = copy.deepcopy([t0, t0[1:]])",
      'self.register_buffer("a", t1)', 'self.register_buffer("b", t2)'],
-], ids=["offset", "aliasing"])
+    # A copy is no view (eagerly set_ on a new storage): views taken of it
+    # under no_grad require grad as it does.
+    ["t0 = nn.Parameter(torch.zeros(3))", "with torch.no_grad(): t1 = t0[1:]", "t2 = copy.deepcopy(t1)",
+     "with torch.no_grad(): t3 = t2.view(2)", 'self.register_buffer("a", t3)', 'self.register_buffer("b", t2)'],
+    ["t0 = nn.Parameter(torch.zeros(2))", "with torch.no_grad(): t1 = t0.view(2)", "t2 = copy.deepcopy(t1)",
+     "with torch.no_grad(): t3 = t2.t()", 'self.register_buffer("a", t3)'],
+], ids=["offset", "aliasing", "no_grad_view_of_copy", "no_grad_view_of_whole_copy"])
 def test_deepcopy_of_views(lines):
     """copy.deepcopy of deferred views copies the whole storage once per memo, as
     eager does: offsets kept, views copied together still alias. Found by the
