@@ -36,6 +36,30 @@ def assert_same_tensors(eager: torch.nn.Module, deferred: torch.nn.Module) -> No
             assert (ids_a[n1] == ids_a[n2]) == (ids_b[n1] == ids_b[n2]), f"tie {n1} / {n2} differs"
 
 
+def assert_stream(eager_after, d_after, what="the generator after construction") -> None:
+    """What a generator draws next equals what it draws after eager construction."""
+    assert torch.equal(eager_after, d_after), f"{what} differs from eager"
+
+
+def build_and_compare(fn, *args, seed=0, mat=None, stream=True, **kwargs):
+    """Build eagerly and deferred (materialized with ``mat``) from ``seed``; compare
+    the tensors (devices included) and, with ``stream``, what the default
+    generator draws next."""
+    torch.manual_seed(seed)
+    eager = fn(*args, **kwargs)
+    eager_after = torch.rand(8)
+    torch.manual_seed(seed)
+    d = deferred_init(fn, *args, **kwargs)
+    materialize_module(d, **(mat or {}))
+    d_after = torch.rand(8)
+    assert_same_tensors(eager, d)
+    for name, t in named_tensors(d).items():
+        assert t.device == named_tensors(eager)[name].device, name
+    if stream:
+        assert_stream(eager_after, d_after)
+    return eager, d
+
+
 def eager_and_deferred(ctor, *args, seed: int = 0, **kwargs):
     """``(eager, deferred)``: the module built eagerly and with deferred_init, same seed."""
     torch.manual_seed(seed)

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
 from fake import fake_mode
+from helpers import assert_same_tensors, assert_stream, build_and_compare, named_tensors
 from materialize import materialize_module, materialize_tensor
 
 CPU = torch.device("cpu")
@@ -21,40 +22,6 @@ def _seeded():
     torch.manual_seed(0)
     yield
     torch.manual_seed(0)
-
-
-def _named_tensors(m: nn.Module):
-    return dict(m.state_dict(keep_vars=True))
-
-
-def assert_same_module(eager: nn.Module, deferred: nn.Module):
-    ea, da = _named_tensors(eager), _named_tensors(deferred)
-    assert list(ea) == list(da)
-    for name in ea:
-        a, b = ea[name], da[name]
-        assert type(a) is type(b), name
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, name
-        assert torch.equal(a.detach(), b.detach()), f"{name} differs from eager"
-
-
-def assert_stream(eager_after, d_after, what="the generator after construction"):
-    assert torch.equal(eager_after, d_after), f"{what} differs from eager"
-
-
-def build_and_compare(fn, *args, seed=0, mat=None, stream=True, **kwargs):
-    """Build eagerly and deferred (materialized with ``mat``) from ``seed``; compare
-    the tensors and, with ``stream``, what the default generator draws next."""
-    torch.manual_seed(seed)
-    eager = fn(*args, **kwargs)
-    eager_after = torch.rand(8)
-    torch.manual_seed(seed)
-    d = deferred_init(fn, *args, **kwargs)
-    materialize_module(d, **(mat or {}))
-    d_after = torch.rand(8)
-    assert_same_module(eager, d)
-    if stream:
-        assert_stream(eager_after, d_after)
-    return eager, d
 
 
 class Turns:
@@ -194,8 +161,8 @@ def test_reseed_inside_constructor(cls):
     d_seed = torch.initial_seed()
     d_after = torch.rand(8)
     problems = []
-    for name, e in _named_tensors(eager).items():
-        if not torch.equal(e.detach(), _named_tensors(d)[name].detach()):
+    for name, e in named_tensors(eager).items():
+        if not torch.equal(e.detach(), named_tensors(d)[name].detach()):
             problems.append(f"{name} differs")
     if seed_after_defer != eager_seed:
         problems.append(f"initial_seed after deferred_init {seed_after_defer} != eager {eager_seed}")
@@ -220,8 +187,8 @@ def test_reseed_inside_constructor_then_second_model(cls):
     materialize_module(d1)
     d2 = deferred_init(nn.Linear, 4, 4)
     materialize_module(d2)
-    assert_same_module(e1, d1)
-    assert_same_module(e2, d2)
+    assert_same_tensors(e1, d1)
+    assert_same_tensors(e2, d2)
 
 
 def test_reseed_random_seed_inside_constructor():
@@ -316,8 +283,8 @@ def test_one_generator_two_names(cls):
         problems.append(f"the default generator was left seeded with {seed_after_defer} by deferred_init")
     if seed_after_mat != 0:
         problems.append(f"initial_seed after materialize_module is {seed_after_mat}")
-    for name, e in _named_tensors(eager).items():
-        if not torch.equal(e.detach(), _named_tensors(d)[name].detach()):
+    for name, e in named_tensors(eager).items():
+        if not torch.equal(e.detach(), named_tensors(d)[name].detach()):
             problems.append(f"{name} differs")
     if not torch.equal(eager_after, d_after):
         problems.append("the stream after materialization differs")
@@ -397,8 +364,8 @@ def test_thread_observes_unchanged_generator_and_module_exact():
         if not torch.equal(state, state0):
             problems.append("get_rng_state seen from the main thread changed")
     materialize_module(d)
-    for name, e in _named_tensors(eager).items():
-        if not torch.equal(e.detach(), _named_tensors(d)[name].detach()):
+    for name, e in named_tensors(eager).items():
+        if not torch.equal(e.detach(), named_tensors(d)[name].detach()):
             problems.append(f"{name} differs from eager")
     assert not problems, problems
 
@@ -421,8 +388,8 @@ def test_two_threads_deferring_at_once():
     torch.manual_seed(0)
     for label, m in (("a", a), ("b", b)):
         materialize_module(m)
-        for name, e in _named_tensors(eager).items():
-            if not torch.equal(e.detach(), _named_tensors(m)[name].detach()):
+        for name, e in named_tensors(eager).items():
+            if not torch.equal(e.detach(), named_tensors(m)[name].detach()):
                 problems.append(f"module {label}: {name} differs from eager")
     assert not problems, problems
     del ref_after
@@ -481,7 +448,7 @@ def test_cuda_record_with_reseed_on_cpu(cls):
     torch.manual_seed(0)
     d = deferred_init(cls, "cuda")
     materialize_module(d, device="cpu")
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
 
 
 def test_cuda_record_without_reseed_on_cpu_control():
@@ -491,7 +458,7 @@ def test_cuda_record_without_reseed_on_cpu_control():
     torch.manual_seed(0)
     d = deferred_init(nn.Linear, 4, 4, device="cuda")
     materialize_module(d, device="cpu")
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
 
 
 
@@ -658,8 +625,8 @@ def test_reseed_between_deferrals_starts_afresh():
     d2 = deferred_init(nn.Linear, 4, 4)
     materialize_module(d2)
     materialize_module(d1)
-    assert_same_module(e, d1)
-    assert_same_module(e, d2)
+    assert_same_tensors(e, d1)
+    assert_same_tensors(e, d2)
 
 
 def test_recording_changes_no_generator_state_another_thread_reads():
@@ -691,7 +658,7 @@ def test_recording_changes_no_generator_state_another_thread_reads():
     turns = Turns(active=False)
     eager = Busy()
     materialize_module(d)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert torch.equal(d.s, eager.s)
 
 
@@ -711,7 +678,7 @@ def test_seeds_set_for_cuda_replay_on_cpu_but_states_do_not():
     torch.manual_seed(0)
     d = deferred_init(Seeded, "cuda", lambda seed: torch.cuda.manual_seed_all(seed))
     materialize_module(d, device="cpu")
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
 
 
 def test_state_set_for_cuda_cannot_be_replayed_on_cpu():

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init
+from helpers import assert_same_tensors, assert_stream, build_and_compare
 from materialize import materialize_module, materialize_tensor
 
 CPU = torch.device("cpu")
@@ -18,40 +19,6 @@ def _seeded():
     torch.manual_seed(0)
     yield
     torch.manual_seed(0)
-
-
-def _named_tensors(m: nn.Module):
-    return dict(m.state_dict(keep_vars=True))
-
-
-def assert_same_module(eager: nn.Module, deferred: nn.Module):
-    ea, da = _named_tensors(eager), _named_tensors(deferred)
-    assert list(ea) == list(da)
-    for name in ea:
-        a, b = ea[name], da[name]
-        assert type(a) is type(b), name
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, name
-        assert torch.equal(a.detach(), b.detach()), f"{name} differs from eager"
-
-
-def assert_stream(eager_after, d_after, what="the generator after construction"):
-    assert torch.equal(eager_after, d_after), f"{what} differs from eager"
-
-
-def build_and_compare(fn, *args, seed=0, mat=None, stream=True, **kwargs):
-    """Build eagerly and deferred (materialized with ``mat``) from ``seed``; compare
-    the tensors and, with ``stream``, what the default generator draws next."""
-    torch.manual_seed(seed)
-    eager = fn(*args, **kwargs)
-    eager_after = torch.rand(8)
-    torch.manual_seed(seed)
-    d = deferred_init(fn, *args, **kwargs)
-    materialize_module(d, **(mat or {}))
-    d_after = torch.rand(8)
-    assert_same_module(eager, d)
-    if stream:
-        assert_stream(eager_after, d_after)
-    return eager, d
 
 
 DRAWING_MODULES = {
@@ -91,7 +58,7 @@ def test_generator_handover_check_fn_piecewise():
     for target in (d[2], d[0], d[1]):
         materialize_module(d, check_fn=lambda m, target=target: m is target)
     d_after = torch.rand(8)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert_stream(eager_after, d_after)
 
 
@@ -105,7 +72,7 @@ def test_generator_handover_buffers_only_then_params():
     materialize_module(d, buffers_only=True)
     materialize_module(d)
     d_after = torch.rand(8)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert_stream(eager_after, d_after)
 
 
@@ -127,7 +94,7 @@ def test_generator_handover_per_tensor_with_temporary_last():
     materialize_tensor(d.v)
     materialize_tensor(d.w)
     d_after = torch.rand(8)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert_stream(eager_after, d_after)
 
 
@@ -149,7 +116,7 @@ def test_generator_handover_per_tensor_all_params():
     materialize_tensor(d.bias)
     materialize_tensor(d.weight)
     d_after = torch.rand(8)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert_stream(eager_after, d_after)
 
 
@@ -164,8 +131,8 @@ def test_model_deferred_after_handover_is_exact(mat):
     materialize_module(d1, **mat)
     d2 = deferred_init(nn.Linear, 3, 2)
     materialize_module(d2)
-    assert_same_module(e1, d1)
-    assert_same_module(e2, d2)
+    assert_same_tensors(e1, d1)
+    assert_same_tensors(e2, d2)
 
 
 
@@ -187,9 +154,9 @@ def test_two_models_back_to_back(order):
         materialize_module(d1)
     else:
         materialize_module(d2)
-    assert_same_module(e2, d2)
+    assert_same_tensors(e2, d2)
     if order != "second only":
-        assert_same_module(e1, d1)
+        assert_same_tensors(e1, d1)
         assert_stream(eager_after, torch.rand(8))
 
 
@@ -211,7 +178,7 @@ def test_two_models_back_to_back_with_temporaries_and_reseed():
     materialize_module(d1)
     materialize_module(d2)
     for e, d in ((e1, d1), (e2, d2), (e3, d3)):
-        assert_same_module(e, d)
+        assert_same_tensors(e, d)
     assert_stream(eager_after, torch.rand(8))
 
 
@@ -224,8 +191,8 @@ def test_two_models_back_to_back_cuda_on_cpu():
     d2 = deferred_init(nn.Linear, 3, 2, device="cuda")
     materialize_module(d1, device="cpu")
     materialize_module(d2, device="cpu")
-    assert_same_module(e1, d1)
-    assert_same_module(e2, d2)
+    assert_same_tensors(e1, d1)
+    assert_same_tensors(e2, d2)
 
 
 class OnlyTemporariesDraw(nn.Module):
@@ -261,7 +228,7 @@ def test_handover_when_only_dead_temporaries_draw(how):
         materialize_module(d, buffers_only=True)
         materialize_module(d)
     d_after = torch.rand(8)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert_stream(eager_after, d_after)
 
 
@@ -278,5 +245,5 @@ def test_handover_waits_while_a_drawn_tensor_stays_deferred():
     torch.manual_seed(0)
     assert torch.equal(state, torch.get_rng_state()), "the generator moved while a later draw is deferred"
     materialize_tensor(d.bias)
-    assert_same_module(eager, d)
+    assert_same_tensors(eager, d)
     assert_stream(eager_after, torch.rand(8))
