@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+import dist_workers
 from deferinit import deferred_init, is_deferred
 from materialize import load_checkpoint, materialize_module
 
@@ -28,15 +29,9 @@ class Wide(nn.Module):
         self.norm = nn.LayerNorm(2 * d + 1)
 
 
-class MLP(nn.Module):
-    def __init__(self, d: int = 32, hidden: int = 128):
-        super().__init__()
-        self.up = nn.Linear(d, hidden)
-        self.down = nn.Linear(hidden, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return self.norm(self.down(torch.relu(self.up(x))))
+def MLP() -> nn.Module:
+    """dist_workers' MLP, wide enough that tensor-parallel shards span pages."""
+    return dist_workers.MLP(32, 128)
 
 
 def rchar() -> int:
