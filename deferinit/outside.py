@@ -17,7 +17,9 @@ materialization.  So an operation on a deferred tensor outside
   running: the module gets a :class:`~deferinit.errors.DeferredModuleWarning`
   once, and a write to a deferred tensor raises
   :class:`~deferinit.errors.DeferredWriteError`, as it could neither be
-  recorded faithfully nor silently dropped;
+  recorded faithfully nor silently dropped (a lazy module's parameter
+  inference builds rather than runs, and is recorded: see
+  :func:`deferinit.where.training`);
 * an argument is a fake whose values are unknown (computed by the above):
   the result has unknown values too; writing it into a deferred tensor
   raises :class:`~deferinit.errors.DeferredWriteError`.
