@@ -282,6 +282,7 @@ def _refuse(name, fake, f, r):
         f"tensors that require grad ({eager}, at {f.name() if f is not None else 'the view'}), "
         f"the replay gave {got}. This happens when the tensors of one graph are materialized "
         "separately (a tensor computed from another computed tensor that was materialized "
-        "before it): materialize them in one materialize_module call, or the later one first. "
-        "Nothing was changed."
+        "before it, or a tensor sharing its memory, such as nn.Parameter(t) or t.detach(), "
+        "materialized before it): materialize them in one materialize_module call, or this "
+        "one first. Nothing was changed."
     )

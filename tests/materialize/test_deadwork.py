@@ -230,3 +230,42 @@ def test_overwritten_work_still_builds_eagers_autograd_graph(how):
     d.b.sum().backward()
     eager.b.sum().backward()
     assert torch.equal(d.w.grad, eager.w.grad)
+
+
+class ComputedAndAliased(nn.Module):
+    """A buffer computed from a parameter with autograd, and a parameter
+    sharing its memory (found by the fuzzer in mixed order)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3))
+        nn.init.uniform_(self.w, -0.5, 0.5)
+        b = torch.bernoulli(self.w.sigmoid()) if how == "bernoulli" else self.w * 2
+        self.register_buffer("b", b)
+        self.alias = nn.Parameter(b, requires_grad=False)
+
+
+@pytest.mark.parametrize("how", ["mul", "bernoulli"])
+def test_a_computed_tensor_after_an_alias_of_it_is_refused(how):
+    """Materialized after its alias, the buffer's memory is real and its graph
+    cannot be rebuilt: refused, nothing changed; this order or one call gives
+    eager's tensors and graph."""
+    from deferinit import AutogradMaterializationError, is_deferred
+
+    torch.manual_seed(0)
+    eager = ComputedAndAliased(how)
+    torch.manual_seed(0)
+    d = deferred_init(ComputedAndAliased, how)
+    materialize_tensor(d.alias)
+    with pytest.raises(AutogradMaterializationError, match="sharing its memory"):
+        materialize_module(d)
+    assert is_deferred(d.b) and is_deferred(d.w)
+    for order in (["b"], []):
+        torch.manual_seed(0)
+        d = deferred_init(ComputedAndAliased, how)
+        for name in order:
+            materialize_tensor(getattr(d, name))
+        materialize_module(d)
+        assert_same_tensors(eager, d)
+        assert type(d.b.grad_fn) is type(eager.b.grad_fn)
+        assert d.b.untyped_storage().data_ptr() == d.alias.untyped_storage().data_ptr()
