@@ -231,10 +231,20 @@ def _check_overlap(func, args, kwargs) -> None:
         return
     flat, spec = flatten(args, kwargs)
     with no_python_dispatch():
+        # Arguments sharing memory share their stand-in's memory too, so the
+        # kernel sees eager's aliasing (copy_ of a tensor into itself is
+        # allowed, overlapping with another argument is not).
+        memory: dict = {}
+        for x in flat:
+            if isinstance(x, torch.Tensor):
+                key = (x.untyped_storage()._cdata, x.dtype)
+                memory[key] = max(memory.get(key, 0), extent(x))
+        memory = {key: torch.zeros(n, dtype=key[1]) for key, n in memory.items()}
         real = []
         for x in flat:
             if isinstance(x, torch.Tensor):
-                x = torch.zeros(extent(x), dtype=x.dtype).as_strided(x.size(), x.stride(), x.storage_offset())
+                base = memory[(x.untyped_storage()._cdata, x.dtype)]
+                x = base.as_strided(x.size(), x.stride(), x.storage_offset())
             elif isinstance(x, torch.Generator):
                 x = _generator()
             elif isinstance(x, torch.device):

@@ -20,6 +20,7 @@ REJECTED = {
     "uniform_ on expanded": lambda: torch.empty(3).expand(2, 3).uniform_(),
     "add_ on expanded": lambda: torch.zeros(3).expand(2, 3).add_(1),
     "copy_ into expanded": lambda: torch.zeros(3).expand(2, 3).copy_(torch.ones(2, 3)),
+    "copy_ into expanded from an alias": lambda: (lambda t: t.as_strided((2,), (0,)).copy_(t[0, 1:]))(torch.zeros(1, 3)),
     "bernoulli_ on expanded": lambda: torch.empty(1, 3).expand(2, 3).bernoulli_(0.5),
     "uniform_ half from out of range": lambda: torch.empty(3, dtype=torch.half).uniform_(-1e6, 1e6),
     "uniform_ half to out of range": lambda: torch.empty(3, dtype=torch.half).uniform_(0.0, 70000.0),
@@ -107,6 +108,8 @@ ACCEPTED = {
     "t_ on expanded": lambda: torch.randn(3).expand(2, 3).t_(),
     "unsqueeze_ on expanded": lambda: torch.randn(3).expand(2, 3).unsqueeze_(0),
     "resize_ of an expanded view": lambda: torch.randn(4)[:1].expand(3).resize_(4),
+    # copy_ of a tensor into itself returns early eagerly, overlap or not.
+    "copy_ of an expanded view into itself": lambda: (lambda t: t.copy_(t))(torch.randn(1, 3).as_strided((2,), (0,))),
     "bernoulli_(1.0)": lambda: torch.empty(3).bernoulli_(1.0),
     "geometric_(0.5)": lambda: torch.empty(3).geometric_(0.5),
     "random_(0, 128) int8": lambda: torch.empty(3, dtype=torch.int8).random_(0, 128),
