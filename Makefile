@@ -26,7 +26,18 @@ $(VENV)/.base: pyproject.toml $(VENV)/.torch
 
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
 	$(PIP) install --quiet --disable-pip-version-check -e '.[test]'
+	$(MAKE) --no-print-directory $(VENV)/.titan
 	touch $@ $(VENV)/.base
+
+# torchtitan requires a torch of its own choosing (and datasets, wandb, ...):
+# its model code needs only these, installed without dependencies so that
+# the pinned CPU torch stays. Optional: its tests skip with a reason if
+# this step fails (an offline mirror without these wheels).
+TITAN_PINS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser typeguard triton==3.9.0
+$(VENV)/.titan: | $(VENV)/.torch
+	$(PIP) install --quiet --disable-pip-version-check --no-deps $(TITAN_PINS) \
+		|| echo "warning: torchtitan not installed; its tests will skip"
+	touch $@
 
 demo: $(VENV)/.base
 	$(PY) -m deferinit demo
