@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from .loading import prepare
-from .matching import LoadResult, match
+from collections.abc import Mapping
+
+from deferinit.errors import CheckpointError
+
+from .capture import Capture, ModuleState, StandIns, Targets, leaked, walk
+from .loading import Loader
+from .matching import LoadResult, map_keys, map_metadata, result_of
 from .sources import open_source
 
 
@@ -47,7 +52,28 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
     entries, what = open_source(source)
-    pairs, result = match(module, entries, prefix=prefix, rename=rename, strict=strict, source=what)
-    for load in prepare(pairs):
-        load()
+    mapped = map_keys(entries, prefix=prefix, rename=rename)
+    metadata = map_metadata(getattr(source, "_metadata", None) if isinstance(source, Mapping) else None, prefix=prefix, rename=rename)
+    standins = StandIns()
+    state_dict = {key: standins.make(entry) for key, entry in mapped.items()}
+    loader = Loader()
+    state = ModuleState(module)
+    try:
+        missing, unexpected, errors = walk(module, state_dict, metadata, Capture(standins, Targets(module), loader))
+        name = leaked(module, standins)
+        if name is not None:
+            raise CheckpointError(
+                f"cannot load {name}: a load hook of {type(module).__name__} put the checkpoint's tensor itself "
+                "into the module instead of copying it, and load_checkpoint reads files lazily: it has no tensor "
+                "to hand out. Pass the file's state dict instead (safetensors.torch.load_file(path)). Nothing "
+                "was loaded or recorded."
+            )
+        result = result_of(
+            module, missing, unexpected, errors, loader.loaded, strict=strict, source=what, mapped=mapped, prefix=prefix
+        )
+        loader.finish()
+    except BaseException:
+        loader.undo()
+        state.restore()
+        raise
     return result
