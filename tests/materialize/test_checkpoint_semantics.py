@@ -178,6 +178,20 @@ def test_private_pre_hook_post_hook_and_override(mode, fmt, tmp_path):
     assert float(m.seen) == float(sd["b.bias"].sum())
 
 
+def test_a_failure_after_a_hook_read_a_loaded_value_undoes_that_load_too():
+    """The post-hook reads b.bias (so its load is written then); the unexpected key
+    fails the call afterwards: every tensor is put back as it was."""
+    torch.manual_seed(3)
+    sd = {"a.weight": torch.randn(3, 3), "a.bias": torch.randn(3), "b.bias": torch.randn(2), "seen": torch.zeros(()), "stray": torch.ones(1)}
+    with pytest.raises(RuntimeError, match="Unexpected key.*stray"):
+        eager_load(Scaled, dict(sd))
+    m = build_in("real", Scaled)
+    before = snapshot(m)
+    with pytest.raises(CheckpointMismatchError, match="'stray'"):
+        load_checkpoint(m, sd)
+    assert_unchanged(m, before)
+
+
 def test_a_hook_that_computes_on_a_file_reads_only_what_it_uses(tmp_path):
     """Views of a stand-in stay unread (the transpose); a computation reads."""
     torch.manual_seed(3)
