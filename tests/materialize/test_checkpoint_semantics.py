@@ -206,6 +206,33 @@ def test_a_hook_that_computes_on_a_file_reads_only_what_it_uses(tmp_path):
     assert is_deferred(m)
 
 
+class Assign(nn.Linear):
+    """An override that assigns the checkpoint's tensor instead of copying it."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        key = prefix + "weight"
+        if key in state_dict:
+            self.weight = nn.Parameter(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_that_assigns_a_file_tensor_is_refused(mode, tmp_path):
+    sd = {"weight": torch.ones(3, 2), "bias": torch.ones(3)}
+    path = str(tmp_path / "a.safetensors")
+    save_file(sd, path)
+    m = build_in(mode, Assign, 2, 3)
+    weight = m.weight
+    with pytest.raises(CheckpointError, match="put the checkpoint's tensor itself.*load_file"):
+        load_checkpoint(m, path)
+    assert m.weight is weight  # the slot is put back
+    # A state dict's tensor can be handed out, as eagerly.
+    eager, result = eager_load(Assign, dict(sd), 2, 3)
+    m = build_in(mode, Assign, 2, 3)
+    assert load_checkpoint(m, dict(sd)) == tuple(result)
+    assert_same_tensors(eager, done(m))
+
+
 # -- lazy modules ------------------------------------------------------------------
 
 
