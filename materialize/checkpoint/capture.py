@@ -45,7 +45,7 @@ from fake import is_fake
 from fake.bypass import no_python_dispatch
 from fake.opinfo import op_info
 
-from .entries import Entry, MemorySource
+from .entries import Entry, MemorySource, read_now
 from .sources import DeferredValue
 
 aten = torch.ops.aten
@@ -134,8 +134,8 @@ class StandIns:
         root = self.root(t)
         with no_python_dispatch():
             if root.real is None and t.dtype == root.entry.dtype:
-                out = torch.empty(t.shape, dtype=t.dtype)
-                self.entry(t).read_parts(out)
+                out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                read_now(self.entry(t), out)
                 return out
             self.promote(t)
             return torch.empty(0, dtype=t.dtype).set_(root.real.untyped_storage(), t.storage_offset(), t.shape, t.stride())
@@ -146,8 +146,8 @@ class StandIns:
         if root.real is None:
             e = root.entry
             with no_python_dispatch():
-                real = torch.empty(root.base.numel(), dtype=e.dtype)
-                e.read_parts(real.as_strided(e.shape, e.strides, e.offset))
+                real = torch.empty(root.base.numel(), dtype=e.dtype, device="cpu")
+                read_now(e, real.as_strided(e.shape, e.strides, e.offset))
             root.real = real
 
 
@@ -201,16 +201,16 @@ class Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten.copy_.default and len(args) == 2:
+        if func is aten.copy_.default and len(args) >= 2:
             target = self.targets.find(args[0])
             if target is not None:
-                self.loader.flush(args[1])
+                self._flush(args[1])
                 if args[1] is not args[0]:
                     self._load(target, args[1])
                 return args[0]
         leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         for x in leaves:
-            self.loader.flush(x)
+            self._flush(x)
         standing = [x for x in leaves if self.standins.owns(x)]
         if not standing:
             return func(*args, **kwargs)
@@ -218,7 +218,18 @@ class Capture(TorchDispatchMode):
         if info.view_arg is not None and not info.writes:
             with no_python_dispatch():
                 return func(*args, **kwargs)
-        return self._compute(func, info, args, kwargs, standing)
+        try:
+            return self._compute(func, info, args, kwargs, standing)
+        except CheckpointError as e:  # a failed read: refused even if a try of the walk catches it
+            self.refused.append(e)
+            raise
+
+    def _flush(self, t) -> None:
+        try:
+            self.loader.flush(t)
+        except CheckpointError as e:
+            self.refused.append(e)
+            raise
 
     def _load(self, target, src) -> None:
         name = self.targets.names[id(target)]

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from deferinit.errors import CheckpointReadError
+from deferinit.errors import CheckpointError, CheckpointReadError
 
 
 def contiguous_strides(shape) -> tuple:
@@ -103,6 +103,23 @@ class Entry:
 
     def __repr__(self) -> str:
         return f"<Entry {self}>"
+
+
+def read_now(entry: Entry, dst: torch.Tensor) -> None:
+    """Read ``entry`` into ``dst`` within a ``load_checkpoint`` call: a failed read
+    (an I/O error, a file cut short since its header was read) is a
+    :class:`CheckpointError` there, before any tensor of the module is written."""
+    try:
+        with torch.no_grad():
+            entry.read_parts(dst)
+    except (CheckpointReadError, OSError) as e:
+        if isinstance(e, CheckpointReadError):
+            reason = str(e).split(" Nothing was changed")[0]
+        else:
+            reason = f"{e.strerror or e}."
+        raise CheckpointError(
+            f"cannot load {entry.describe()}: {reason} Nothing was loaded: every tensor of the module is as it was."
+        ) from None
 
 
 class MemorySource:

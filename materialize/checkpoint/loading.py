@@ -27,7 +27,8 @@ from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from fake import is_fake
 from fake.flat import flatten
 
-from .entries import MemorySource
+from .capture import storage_key
+from .entries import MemorySource, read_now
 from .sources import DeferredValue
 
 _SPEC = flatten((None,), {})[1]
@@ -144,12 +145,6 @@ class Load:
         self.backup = None
         self.head = None
 
-    @property
-    def storage_key(self):
-        from .capture import storage_key
-
-        return storage_key(self.target)
-
     # -- deferred ------------------------------------------------------------------
 
     def record(self) -> None:
@@ -171,18 +166,13 @@ class Load:
     def stage(self) -> None:
         """Read what a real tensor will get (nothing is written yet)."""
         if isinstance(self.entry.source, MemorySource):
-            self.entry.check()
+            try:
+                self.entry.check()  # a hook may have changed it since it was given
+            except CheckpointReadError as e:
+                raise CheckpointError(str(e).split(" Nothing was changed")[0] + " Nothing was loaded.") from None
             return
-        buffer = torch.empty(tuple(self.target.shape), dtype=self.target.dtype)
-        try:
-            with torch.no_grad():
-                self.entry.read_parts(buffer)
-        except (CheckpointReadError, OSError) as e:
-            reason = str(e).split(" Nothing was changed")[0] if isinstance(e, CheckpointReadError) else (e.strerror or str(e))
-            raise CheckpointError(
-                f"cannot load {self.key} from {self.entry.describe()}: {reason} Nothing was loaded: "
-                "every tensor of the module is as it was."
-            ) from None
+        buffer = torch.empty(tuple(self.target.shape), dtype=self.target.dtype, device="cpu")
+        read_now(self.entry, buffer)
         self.staged = buffer
 
     def commit(self, keep_old: bool = False) -> None:
@@ -229,15 +219,13 @@ class Loader:
             load.record()
             self.done.append(load)
             return
-        skey = load.storage_key
+        skey = storage_key(load.target)
         self.pending.setdefault(skey if skey is not None else ("object", id(load.target)), []).append(load)
 
     def flush(self, t) -> None:
         """Write the pending loads of ``t``'s memory now (the walk reads it)."""
         if not self.pending:
             return
-        from .capture import storage_key
-
         key = storage_key(t)
         loads = self.pending.pop(key, None) if key is not None else None
         if loads is None and _is_dtensor(t):

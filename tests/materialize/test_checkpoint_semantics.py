@@ -330,6 +330,32 @@ def test_a_read_error_on_a_later_tensor_leaves_a_real_module_unchanged(tmp_path,
     assert_same_tensors(eager, m)
 
 
+@pytest.mark.parametrize("fail_at", [1, 2, 4])
+def test_a_read_error_before_or_after_a_hook_read_a_value_leaves_every_tensor(fail_at, tmp_path, monkeypatch):
+    """Scaled's post-hook reads b.bias, so that load is read and written during the
+    walk; a failing read then, or in the reads after the walk, puts it all back."""
+    torch.manual_seed(3)
+    sd = {"a.weight": torch.randn(3, 3), "a.bias": torch.randn(3), "b.bias": torch.randn(2), "seen": torch.zeros(())}
+    path = str(tmp_path / "s.safetensors")
+    save_file(sd, path)
+    m = build_in("real", Scaled)
+    before = snapshot(m)
+    calls = []
+    real_preadv = os.preadv
+
+    def failing(fd, buffers, offset, *rest):
+        calls.append(offset)
+        if len(calls) == fail_at:
+            raise OSError(5, "Input/output error")
+        return real_preadv(fd, buffers, offset, *rest)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(CheckpointError, match="Input/output error") as info:
+        load_checkpoint(m, path)
+    assert not isinstance(info.value, CheckpointMismatchError)
+    assert_unchanged(m, before)
+
+
 def test_a_file_truncated_after_its_header_was_read_leaves_a_real_module_unchanged(tmp_path, monkeypatch):
     from materialize.checkpoint import api
 
