@@ -70,6 +70,9 @@ class Node:
     # True for a draw whose values only checkpoint loads overwrite (set by
     # the liveness pass): the generators do not wait for it.
     hidden_by_load = False
+    # True for an operator recorded after deferred_init returned (a change of
+    # the model, such as load_state_dict's copies): see effects.is_load.
+    after_deferral = False
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False

@@ -61,7 +61,8 @@ class Recorder(FakeHandler):
         if func in DATA_OPS:
             return self._data_op(func, args, kwargs, DATA_OPS[func])
         info = op_info(func)
-        if context is None and current_record() is None and computes_plain(func, info, args, kwargs):
+        after = context is None and current_record() is None
+        if after and computes_plain(func, info, args, kwargs):
             # Running a deferred model, not changing it: see deferinit/outside.py.
             return FakeHandler.dispatch(self, func, args, kwargs, None)
         if func in LIFT_OPS and not isinstance(args[0], FakeTensor) and args[0].device.type != "meta":
@@ -109,6 +110,8 @@ class Recorder(FakeHandler):
                 # The device meant, not the meta it was rewritten to.
                 node_flat[i] = call.device
         node = Node("op", func, node_flat, spec)
+        if after:
+            node.after_deferral = True
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype

@@ -41,6 +41,7 @@ MODULES = [
     "materialize.autograd",
     "materialize.checkpoint",
     "materialize.checkpoint.api",
+    "materialize.checkpoint.capture",
     "materialize.checkpoint.copying",
     "materialize.checkpoint.entries",
     "materialize.checkpoint.loading",

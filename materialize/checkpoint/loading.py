@@ -1,4 +1,4 @@
-"""Loading matched checkpoint tensors: recorded on deferred tensors, at once on real ones.
+"""Loads of one ``load_checkpoint`` call: recorded on deferred tensors, read into real ones.
 
 A deferred tensor gets a *load node*: a write of its whole value, whose
 payload is the checkpoint entry.  It hides every earlier write to the
@@ -6,23 +6,29 @@ tensor (its initialisation), and replay reads the file then, only the
 parts that are read (see :mod:`deferinit.liveness`).  A sharded tensor
 (a DTensor, from ``fully_shard``, ``distribute_tensor`` or
 ``parallelize_module``) gets the load of the block its placements give this
-rank, so each rank reads its own rows only.  A real tensor is loaded at
-once, its shard only for a real DTensor.
+rank, so each rank reads its own rows only.  A real tensor is loaded from
+memory of its own: its bytes are read first (*staged*), and written into
+the tensor only once every read of the call succeeded.
 
-Everything is checked before anything is recorded or loaded
-(:func:`prepare` returns the work, which then cannot fail on a check).
+A :class:`Loader` holds the loads of one call, in the order
+``load_state_dict``'s walk makes them (:mod:`.capture`): deferred ones are
+recorded at once, real ones wait until the walk ends or until something
+touches their tensor.  :meth:`Loader.undo` takes all of them back: a call
+that fails leaves every tensor as it was.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deferinit.errors import CheckpointError, RecordingError
+from deferinit.errors import CheckpointError, CheckpointReadError, RecordingError
 from deferinit.graph import Input, Node
 from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from fake import is_fake
 from fake.flat import flatten
 
+from .capture import storage_key
+from .entries import MemorySource, read_now
 from .sources import DeferredValue
 
 _SPEC = flatten((None,), {})[1]
@@ -48,6 +54,14 @@ def record_load(fake: torch.Tensor, entry) -> Node:
     return node
 
 
+_INFERENCE = (
+    "cannot load {key}: it is an inference tensor (made under torch.inference_mode()) and this call "
+    "is outside inference mode, where load_state_dict refuses it too (\"Inplace update to inference "
+    "tensor outside InferenceMode is not allowed\"). Call load_checkpoint inside "
+    "torch.inference_mode(), or build the module outside it. Nothing was loaded or recorded."
+)
+
+
 def _is_dtensor(t) -> bool:
     return getattr(t, "_local_tensor", None) is not None and hasattr(t, "device_mesh")
 
@@ -71,10 +85,21 @@ def local_block(key: str, tensor) -> tuple[tuple, tuple]:
     return tuple(start), tuple(sizes)
 
 
-def prepare(pairs) -> list:
-    """Check every ``(key, tensor, entry)`` pair; return the loads to run, in order."""
-    work = []
-    for key, tensor, entry in pairs:
+class Load:
+    """One tensor of the module loaded from one checkpoint tensor; checked when made.
+
+    Example::
+
+        >>> m = torch.nn.Linear(2, 2)
+        >>> load = Load("bias", m.bias, MemorySource.entry("bias", torch.ones(2)))
+        >>> load.stage(); load.commit()
+        >>> m.bias.tolist()
+        [1.0, 1.0]
+    """
+
+    def __init__(self, key: str, tensor: torch.Tensor, entry):
+        self.key = key
+        self.tensor = tensor
         target = tensor
         start = None
         if _is_dtensor(tensor):
@@ -82,7 +107,8 @@ def prepare(pairs) -> list:
             start, sizes = local_block(key, tensor)
             if not isinstance(entry.source, DeferredValue):
                 entry = entry.box(start, sizes)
-        deferred_source = isinstance(entry.source, DeferredValue)
+        self.target, self.start = target, start
+        self.deferred = is_deferred_fake(target)
         geometry = target.__dict__.get("_shadow", target) if is_fake(target) else target
         if torch._debug_has_internal_overlap(geometry) == 1:
             # copy_ (and so load_state_dict) refuses to write such a tensor.
@@ -90,15 +116,16 @@ def prepare(pairs) -> list:
                 f"cannot load {key}: more than one of its elements refer to a single memory "
                 "location (an expanded tensor); load_state_dict refuses it too."
             )
-        if is_deferred_fake(target):
+        if target.is_inference() and not torch.is_inference_mode_enabled():
+            raise CheckpointError(_INFERENCE.format(key=key))
+        deferred_source = isinstance(entry.source, DeferredValue)
+        if self.deferred:
             try:
                 check_storage_not_real(target, "load_checkpoint")
             except RecordingError as e:
                 raise CheckpointError(f"cannot load {key}: {e}") from None
-            if deferred_source:
-                work.append(_recorded_copy(target, entry.source.tensor, start, target.shape))
-            else:
-                work.append(lambda t=target, e=entry: record_load(t, e))
+            if isinstance(entry.source, MemorySource):
+                entry = entry.kept()  # as if copied now
         elif is_fake(target):
             raise CheckpointError(
                 f"cannot load {key}: it is a fake tensor from fake_mode, not deferred; its values could "
@@ -113,23 +140,120 @@ def prepare(pairs) -> list:
             raise CheckpointError(
                 f"cannot load the deferred state dict value {key!r} into a real tensor; materialize it first."
             )
+        self.entry = entry
+        self.staged = None
+        self.backup = None
+        self.head = None
+
+    # -- deferred ------------------------------------------------------------------
+
+    def record(self) -> None:
+        """Record the load (a deferred tensor)."""
+        storage = self.target._storage
+        self.head = (storage, storage.head)
+        if isinstance(self.entry.source, DeferredValue):
+            piece = self.entry.source.tensor
+            if self.start is not None:
+                for dim, (i, n) in enumerate(zip(self.start, self.target.shape)):
+                    piece = piece.narrow(dim, i, n)
+            with torch.no_grad():
+                self.target.copy_(piece)
         else:
-            work.append(lambda t=target, e=entry: _load_now(t, e))
-    return work
+            record_load(self.target, self.entry)
 
+    # -- real ------------------------------------------------------------------------
 
-def _load_now(tensor: torch.Tensor, entry) -> None:
-    with torch.no_grad():
-        entry.read_parts(tensor.detach())
+    def stage(self) -> None:
+        """Read what a real tensor will get (nothing is written yet)."""
+        if isinstance(self.entry.source, MemorySource):
+            try:
+                self.entry.check()  # a hook may have changed it since it was given
+            except CheckpointReadError as e:
+                raise CheckpointError(str(e).split(" Nothing was changed")[0] + " Nothing was loaded.") from None
+            return
+        buffer = torch.empty(tuple(self.target.shape), dtype=self.target.dtype, device="cpu")
+        read_now(self.entry, buffer)
+        self.staged = buffer
 
-
-def _recorded_copy(target, value, start, sizes):
-    def run():
-        piece = value
-        if start is not None:
-            for dim, (i, n) in enumerate(zip(start, sizes)):
-                piece = piece.narrow(dim, i, n)
+    def commit(self, keep_old: bool = False) -> None:
+        """Write the staged values into the real tensor (``keep_old``: so that
+        :meth:`undo` can put the old ones back)."""
+        target = self.target
+        counted = not target.is_inference()
+        before = target._version if counted else None
         with torch.no_grad():
-            target.copy_(piece)
+            if keep_old:
+                self.backup = target.detach().clone()
+            if self.staged is not None:
+                target.copy_(self.staged)
+                self.staged = None
+            else:
+                target.copy_(self.entry.source.view(self.entry))
+        if counted and target._version == before:
+            # Written inside the walk's dispatch mode, below the layer that
+            # counts versions: count it as eager's copy_ does.
+            torch._C._increment_version((target,))
 
-    return run
+    def undo(self) -> None:
+        if self.head is not None:
+            storage, head = self.head
+            storage.head = head
+        elif self.backup is not None:
+            with torch.no_grad():
+                self.target.copy_(self.backup)
+        self.staged = self.backup = self.head = None
+
+
+class Loader:
+    """The loads of one call: deferred ones recorded at once, real ones staged and
+    written when the walk ends (or earlier, when something touches their tensor);
+    :meth:`undo` takes every one back."""
+
+    def __init__(self):
+        self.pending: dict = {}
+        self.done: list = []
+
+    def add(self, key: str, tensor: torch.Tensor, entry) -> None:
+        load = Load(key, tensor, entry)
+        if load.deferred:
+            load.record()
+            self.done.append(load)
+            return
+        skey = storage_key(load.target)
+        self.pending.setdefault(skey if skey is not None else ("object", id(load.target)), []).append(load)
+
+    def flush(self, t) -> None:
+        """Write the pending loads of ``t``'s memory now (the walk reads it)."""
+        if not self.pending:
+            return
+        key = storage_key(t)
+        loads = self.pending.pop(key, None) if key is not None else None
+        if loads is None and _is_dtensor(t):
+            loads = self.pending.pop(storage_key(t._local_tensor), None)
+        for load in loads or ():
+            load.stage()
+            load.commit(keep_old=True)
+            self.done.append(load)
+
+    def finish(self) -> None:
+        """Stage every pending load, then write them all: no write before every read succeeded."""
+        loads = [load for group in self.pending.values() for load in group]
+        last = {id(load.target): i for i, load in enumerate(loads)}
+        # A later load of the same tensor hides an earlier one (a tied tensor under two names).
+        loads = [load for i, load in enumerate(loads) if last[id(load.target)] == i]
+        for load in loads:
+            load.stage()
+        for load in loads:
+            load.commit()
+        self.pending.clear()
+        self.done.extend(loads)
+
+    def undo(self) -> None:
+        for load in reversed(self.done):
+            load.undo()
+        self.done.clear()
+        self.pending.clear()
+
+    @property
+    def loaded(self) -> set:
+        return {id(load.tensor) for load in self.done} | {id(load.tensor) for g in self.pending.values() for load in g}
