@@ -32,12 +32,15 @@ from .errors import (
     DeferredWriteError,
     DeviceUnavailableError,
     ExternalTensorMutatedError,
+    FSDP1DeferredModuleError,
     InferenceTensorInputError,
     MaterializationError,
     MixedFakeError,
     RecordingError,
     ReplayError,
 )
+from fake import handlers
+
 from .recorder import RECORDER
 from .session import deferred, deferred_init, is_deferred
 from .view import graph_of
@@ -57,6 +60,7 @@ __all__ = [
     "DeferredWriteError",
     "DeviceUnavailableError",
     "ExternalTensorMutatedError",
+    "FSDP1DeferredModuleError",
     "InferenceTensorInputError",
     "MaterializationError",
     "MixedFakeError",
@@ -83,8 +87,18 @@ def _generator_state(stream, k):
     return generator_state(stream, k)
 
 
+def _explain_data_access(error, fake):
+    # Data accesses that a library's idiom explains (FSDP1 flattening deferred
+    # parameters it did not materialize) are named with their fix by the layer
+    # that holds the fix.
+    from materialize.fsdp1 import explain_data_access
+
+    return explain_data_access(error, fake)
+
+
 RECORDER.evaluate = _evaluate
 RECORDER.generator_state = _generator_state
+handlers.register_data_access_explainer(_explain_data_access)
 
 
 def __getattr__(name):

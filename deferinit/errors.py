@@ -69,6 +69,22 @@ class DeferredWriteError(RecordingError):
     on a still-deferred model outside ``fake_mode``) wrote a deferred tensor."""
 
 
+class FSDP1DeferredModuleError(DeferredInitError):
+    """``FullyShardedDataParallel`` (FSDP1) flattened deferred parameters it did not
+    materialize: it was built outside ``materialize.distributed.fsdp1_hooks()``,
+    or its ``param_init_fn`` left them deferred."""
+
+
+#: How FSDP1 is built on a deferred model, for the messages that point to it.
+FSDP1_FIX = (
+    "Build the FSDP instance inside materialize.distributed.fsdp1_hooks(), which lets FSDP1 recognise "
+    "deferred modules and materialize each unit before flattening it: "
+    "`from materialize.distributed import fsdp1_hooks, param_init_fn`, then "
+    "`with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn, ...)` "
+    "(without param_init_fn, FSDP1 materializes each unit itself). See docs/sharded.md."
+)
+
+
 class DeferredModuleWarning(UserWarning):
     """A forward pass ran on a module that is still deferred, outside
     ``fake_mode``: it computed on fakes and was not recorded."""

@@ -202,17 +202,18 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
-        raise FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        error = FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        raise handlers.explain_data_access(error, self)
 
     def untyped_storage(self):
         # The shadow's meta storage, shared by every alias (see fake/storage.py).
         return storage_of(self.__dict__["_shadow"])
 
     def storage(self):
-        raise FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
 
     def _typed_storage(self):
-        raise FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
 
     def __dlpack__(self, *args, **kwargs):
         raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")
