@@ -17,8 +17,9 @@ While a closed record with draws on a default generator is alive (and only
 then), PyTorch's Python entry points of random ops (the ``torch`` functions
 and ``Tensor`` methods of every ATen op with a ``generator`` argument) are
 diverted to a check; a draw is *pending* while that generator still holds
-the state recording left it in (a seed, a materialization's hand-over or an
-earlier real draw since then means it is not).  Random kernels that C++
+the state recording left it in and no seed was set through torch's API
+since (a seed, a materialization's hand-over or an earlier real draw means
+it is not).  Random kernels that C++
 calls internally (``F.dropout``) are not seen.
 """
 
@@ -37,12 +38,13 @@ from fake.state import in_fake_mode
 from fake.tensor import FakeTensor
 
 from .errors import PendingDrawsWarning
-from .record import current_record
+from .record import CHAINS, current_record
 from .rng import current_fingerprint, default_generator, fingerprint
 from .where import constructing
 
 _lock = threading.Lock()
-_watched: "weakref.WeakSet" = weakref.WeakSet()
+# Watched record -> the seeding epoch when it closed (deferinit.record.CHAINS).
+_watched: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _warned: "weakref.WeakSet" = weakref.WeakSet()
 
 
@@ -62,7 +64,7 @@ def watch(record) -> None:
     with _lock:
         if record in _watched:
             return
-        _watched.add(record)
+        _watched[record] = _epoch()
     for patch in PATCHES:
         patch.acquire()
     weakref.finalize(record, _release)
@@ -73,15 +75,22 @@ def _release() -> None:
         patch.release()
 
 
+def _epoch():
+    # Bumped by every torch.manual_seed & co. while such a record lives
+    # (deferinit.seeding keeps them diverted for it).
+    return getattr(CHAINS, "_epoch", None)
+
+
 def _pending(device: torch.device):
     """A watched record whose draws on ``device``'s default generator are pending, or None."""
     with _lock:
-        records = list(_watched)
+        records = list(_watched.items())
     now = None
-    for record in records:
+    epoch = _epoch()
+    for record, at in records:
         stream = record.streams.get(device)
         state = record.exit.get(device)
-        if stream is None or not stream.nodes or state is None or record in _warned:
+        if stream is None or not stream.nodes or state is None or record in _warned or at != epoch:
             continue
         if now is None:
             gen = default_generator(device)

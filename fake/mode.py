@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
 from .copying import deepcopy_tensor
-from .function import CONSTRUCTORS, needs_rewrite, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
+from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .reads import READS, read, reads_memory
 from .device import backend_device
 from .state import backend_meant, backend_stands_for, planning
@@ -111,7 +111,7 @@ class FakeFunctionMode(TorchFunctionMode):
             return tensor_type_as(args[0], args[1], self.fake_cuda, fake=isinstance(args[0], FakeTensor))
         if func in READS and reads_memory(func, args, kwargs):
             # A file, a storage or a buffer: real, as eagerly (fake/reads.py).
-            return read(func, args, kwargs, lambda d: needs_rewrite(d, self.fake_cuda))
+            return read(func, args, kwargs, self.fake_cuda)
         return rewrite_call(func, args, kwargs, self.fake_cuda)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from .bypass import no_python_dispatch
 from .device import normalize
+from .function import needs_rewrite, tensor_to
 from .storage import FakeStorage
 
 #: The functions that may make a tensor over existing memory.
@@ -45,21 +46,21 @@ def reads_memory(func, args, kwargs) -> bool:
     return func in READS
 
 
-def read(func, args, kwargs, needs_rewrite) -> torch.Tensor:
+def read(func, args, kwargs, fake_cuda: bool = True) -> torch.Tensor:
     """``func(*args, **kwargs)`` with the fake modes off: a real tensor over that
     memory; moved under the modes where the device asked for is one the Fake
-    layer stands for (``needs_rewrite(device)``).
+    layer stands for (``cuda`` on a CPU-only build, with ``fake_cuda``).
 
     Example::
 
         >>> with fake_mode():
-        ...     t = read(torch.frombuffer, (bytearray(b"ab"),), {"dtype": torch.uint8}, lambda d: False)
+        ...     t = read(torch.frombuffer, (bytearray(b"ab"),), {"dtype": torch.uint8})
         >>> is_fake(t), t.tolist()
         (False, [97, 98])
     """
     device = kwargs.get("device")
     target = normalize(device) if device is not None else None
-    if target is not None and needs_rewrite(target):
+    if target is not None and needs_rewrite(target, fake_cuda):
         kwargs = dict(kwargs, device=_CPU)
     else:
         target = None
@@ -68,7 +69,7 @@ def read(func, args, kwargs, needs_rewrite) -> torch.Tensor:
         t = func(*args, **kwargs)
     if target is None:
         return t
-    t = t.to(target)
+    t = tensor_to(t, (target,), {}, fake_cuda)  # under the dispatch mode: a fake
     if requires_grad:
         t.requires_grad_(True)
     return t
