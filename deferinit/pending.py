@@ -54,6 +54,7 @@ def watch(record) -> None:
 
     Example::
 
+        >>> from deferinit import deferred
         >>> with deferred() as record:
         ...     m = torch.nn.Linear(2, 2)
         >>> record in _watched       # deferred() watched it when it closed

@@ -69,14 +69,23 @@ def not_inlined(fn):
 
 
 def _codes(module):
+    # Only code written in the module's own file: a decorator's wrapper
+    # (contextlib.contextmanager's) carries our __module__ and its own code,
+    # shared with every other user of that decorator.
+    filename = getattr(module, "__file__", None)
     seen: set = set()
     stack = []
     for fn in _functions_of(vars(module).values(), module.__name__):
-        try:
-            not_inlined(fn)
-        except (AttributeError, TypeError):
-            pass
-        stack.append(fn.__code__)
+        inner = getattr(fn, "__wrapped__", fn)
+        code = getattr(inner, "__code__", None)
+        if not isinstance(code, types.CodeType) or code.co_filename != filename:
+            continue
+        for f in (fn, inner):
+            try:
+                not_inlined(f)
+            except (AttributeError, TypeError):
+                pass
+        stack.append(code)
     while stack:
         code = stack.pop()
         if id(code) in seen:
@@ -97,6 +106,5 @@ def _functions_of(values, module_name: str):
         if isinstance(value, property):
             yield from _functions_of((value.fget, value.fset, value.fdel), module_name)
             continue
-        code = getattr(value, "__code__", None)
-        if isinstance(code, types.CodeType) and getattr(value, "__module__", None) == module_name:
+        if callable(value) and getattr(value, "__module__", None) == module_name:
             yield value
