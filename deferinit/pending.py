@@ -107,25 +107,41 @@ def _device_of(args, kwargs) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
         return torch.device(device)
-    for a in args:
+    for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
             return a.device
     return torch.get_default_device()
 
 
-def _check(name: str, args, kwargs) -> None:
-    if current_record() is not None or in_fake_mode():
-        return  # recorded, or fakes: nothing is drawn for real here
+def _pending_draw(args, kwargs):
+    """``(record, device)`` when this call draws from a default generator whose
+    deferred draws are pending, else None."""
     if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
-        return
+        return None
     device = _device_of(args, kwargs)
+    if device.type != "cpu" and default_generator(device) is None:
+        return None  # a device this process does not have: eager raises next
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     generator = kwargs.get("generator")
     if generator is not None and generator is not default_generator(device):
-        return
+        return None
     record = _pending(device)
-    if record is None:
+    return None if record is None else (record, device)
+
+
+def _check(args, kwargs):
+    """``(record, device)`` for a real draw while that record's draws are pending."""
+    if current_record() is not None or in_fake_mode():
+        return None  # recorded, or fakes: nothing is drawn for real here
+    try:
+        return _pending_draw(args, kwargs)
+    except Exception:  # noqa: BLE001 - arguments eager refuses: its own error comes next
+        return None
+
+
+def _warn(name: str, record, device) -> None:
+    if record in _warned:
         return
     _warned.add(record)
     n = len(record.streams[device].nodes)
@@ -145,8 +161,11 @@ def _check(name: str, args, kwargs) -> None:
 def _checking(name: str, original):
     @functools.wraps(original)
     def draw(*args, **kwargs):
-        _check(name, args, kwargs)
-        return original(*args, **kwargs)
+        found = _check(args, kwargs)
+        out = original(*args, **kwargs)
+        if found is not None:  # it drew: eager's error, if any, came first
+            _warn(name, *found)
+        return out
 
     # What fake.mode's function mode calls instead (PyTorch hands Tensor
     # methods to torch-function modes by their name on torch.Tensor).

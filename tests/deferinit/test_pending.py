@@ -157,3 +157,20 @@ def test_materialization_itself_does_not_warn():
         warnings.simplefilter("error")
         materialize_module(m)
     assert torch.equal(m.w, eager.w) and torch.equal(m.l.weight, eager.l.weight)
+
+
+def test_a_draw_eager_refuses_raises_eagers_error():
+    """The check never stands in the way: arguments eager refuses get eager's error."""
+    with deferred():
+        m = nn.Linear(2, 2)
+    for call in (lambda f: f(3, device="no-such-device"), lambda f: f(-1), lambda f: f(2, generator=3)):
+        with pytest.raises(Exception) as eager:
+            call(torch._C._VariableFunctions.randn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", PendingDrawsWarning)  # nothing was drawn: no warning
+            with pytest.raises(type(eager.value)) as ours:
+                call(torch.randn)
+        assert str(ours.value) == str(eager.value)
+    with pytest.warns(PendingDrawsWarning):  # the first real draw still says it
+        torch.randn(2)
+    del m
