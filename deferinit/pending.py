@@ -145,9 +145,11 @@ def _warn(name: str, record, device) -> None:
         return
     _warned.add(record)
     n = len(record.streams[device].nodes)
+    building = constructing()
+    where = "" if building.startswith("(") else f" (constructing {building})"
     warnings.warn(
-        f"{name} draws from the default {device} generator for real (constructing "
-        f"{constructing()}) while {n} random draw(s) of {record.label} from that generator "
+        f"{name} draws from the default {device} generator for real{where} while "
+        f"{n} random draw(s) of {record.label} from that generator "
         "are still deferred. Eagerly those draws come first, so this draw and every later "
         "one from that generator differ from eager construction, and materialization "
         "cannot leave the generator where eager construction would. Make these tensors "
