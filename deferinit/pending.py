@@ -171,7 +171,7 @@ def _checking(name: str, original):
 
     # What fake.mode's function mode calls instead (PyTorch hands Tensor
     # methods to torch-function modes by their name on torch.Tensor).
-    draw.__deferinit_original__ = original
+    draw.__deferinit_stands_for__ = original
     return not_inlined(draw)
 
 

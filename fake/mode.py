@@ -81,7 +81,7 @@ class FakeFunctionMode(TorchFunctionMode):
             # inside deferred_init): its copy is fake, laid out as eager's.
             return deepcopy_tensor(args[0], args[1])
         if type(func) is FunctionType and _skip_one_hop is not None:
-            original = getattr(func, "__deferinit_original__", None)
+            original = getattr(func, "__deferinit_stands_for__", None)
             if original is not None:
                 # A diversion standing for a builtin (deferinit.pending): the
                 # builtin is what is meant, fast paths included.

@@ -174,3 +174,26 @@ def test_a_draw_eager_refuses_raises_eagers_error():
     with pytest.warns(PendingDrawsWarning):  # the first real draw still says it
         torch.randn(2)
     del m
+
+
+def test_recording_while_the_draws_are_diverted_equals_eager():
+    """A second deferral recorded while the first one's draws are pending (the
+    random methods of torch.Tensor diverted): both equal eager, in order."""
+
+    def build():
+        return nn.Sequential(nn.Linear(4, 4), nn.Embedding(5, 3))
+
+    torch.manual_seed(0)
+    first, second = build(), nn.Conv2d(2, 2, 3)
+    eager_next = torch.rand(4)
+    torch.manual_seed(0)
+    with deferred():
+        d_first = build()
+    assert torch.Tensor.uniform_ is not torch._C.TensorBase.uniform_
+    with deferred():
+        d_second = nn.Conv2d(2, 2, 3)
+    materialize_module(d_first)
+    materialize_module(d_second)
+    for a, b in ((first, d_first), (second, d_second)):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert torch.equal(torch.rand(4), eager_next)
