@@ -124,6 +124,42 @@ def test_quantization_style_recreation_equals_eager():
     assert torch.equal(torch.rand(8), eager_next)
 
 
+# -- transformers ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+    )
+    torch.manual_seed(4)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("route", ["from_pretrained", "from_pretrained, new head", "from_config"])
+def test_transformers_inside_deferred_equals_eager(llama_dir, route):
+    """Values, ties (tied embeddings) and the generator after: a checkpoint read
+    inside the block, a head the checkpoint lacks initialised at random, or
+    everything at random."""
+    import transformers
+
+    def build():
+        if route == "from_pretrained":
+            return transformers.LlamaForCausalLM.from_pretrained(llama_dir)
+        if route == "from_pretrained, new head":
+            return transformers.LlamaForSequenceClassification.from_pretrained(llama_dir, num_labels=3)
+        return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(llama_dir))
+
+    eager, eager_next, d = _eager_and_deferred(build)
+    materialize_module(d)
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.rand(8), eager_next)
+
+
 # -- diffusers -------------------------------------------------------------------------------
 
 UNET = dict(
