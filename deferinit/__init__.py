@@ -36,6 +36,7 @@ from .errors import (
     InferenceTensorInputError,
     MaterializationError,
     MixedFakeError,
+    PendingDrawsWarning,
     RecordingError,
     ReplayError,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "InferenceTensorInputError",
     "MaterializationError",
     "MixedFakeError",
+    "PendingDrawsWarning",
     "RecordingError",
     "ReplayError",
     "CheckpointError",
@@ -114,3 +116,8 @@ def __getattr__(name):
 
         return getattr(materialize, name)
     raise AttributeError(f"module 'deferinit' has no attribute {name!r}")
+
+
+from fake.compiling import skip_compiling as _skip_compiling  # noqa: E402
+
+_skip_compiling("deferinit")  # see fake/compiling.py

@@ -88,3 +88,9 @@ FSDP1_FIX = (
 class DeferredModuleWarning(UserWarning):
     """A forward pass ran on a module that is still deferred, outside
     ``fake_mode``: it computed on fakes and was not recorded."""
+
+
+class PendingDrawsWarning(UserWarning):
+    """A real random draw from a default generator while a deferral's own draws
+    from it are still pending (not yet materialized): eagerly those came first,
+    so this draw and every later one from that generator differ from eager."""

@@ -33,6 +33,8 @@ import sys
 import warnings
 import weakref
 
+from torch.nn import Module
+
 from fake.state import in_fake_mode
 from fake.tensor import FakeTensor, describe
 
@@ -64,6 +66,7 @@ def computes_plain(func, info, args, kwargs) -> bool:
     if in_fake_mode():
         return True
     module, optimizer, backward = training()
+    module = _compiled_from(module)
     if module is None and optimizer is None and not backward:
         if not _has_plain_fake(args, kwargs):
             return False
@@ -75,6 +78,13 @@ def computes_plain(func, info, args, kwargs) -> bool:
         _warned.add(module)
         warnings.warn(_warning(module), DeferredModuleWarning, stacklevel=2)
     return True
+
+
+def _compiled_from(module):
+    """The model ``torch.compile(model)`` wrapped (its ``OptimizedModule`` runs
+    ``model``'s forward), so that a compiled call warns as the plain one does."""
+    inner = getattr(module, "_orig_mod", None) if module is not None else None
+    return inner if isinstance(inner, Module) else module
 
 
 def _warning(module) -> str:

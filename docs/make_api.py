@@ -30,6 +30,7 @@ PUBLIC = [
             "MixedFakeError",
             "DeferredWriteError",
             "DeferredModuleWarning",
+            "PendingDrawsWarning",
             "InferenceTensorInputError",
             "DataDependentError",
             "MaterializationError",

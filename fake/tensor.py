@@ -42,7 +42,11 @@ class FakeTensor(torch.Tensor):
 
     Create fakes with :func:`fake.fake_mode` (or ``deferinit.deferred_init``);
     the constructor is the low-level door: it takes the meta *shadow* and
-    the device to report.
+    the device to report.  Called as code written for eager tensors calls
+    a parameter's class, ``type(p)(data, requires_grad=...)`` or
+    ``type(p)(p.to(device), **p.__dict__)`` (accelerate's
+    ``init_empty_weights``, quantization libraries), it makes what
+    ``p``'s eager class makes of ``data`` (see :func:`recreate`).
 
     Example::
 
@@ -60,7 +64,10 @@ class FakeTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, shadow: torch.Tensor, device, requires_grad: bool = False):
+    def __new__(cls, shadow: torch.Tensor, device=None, requires_grad=None, **attrs):
+        if device is None or attrs:
+            return recreate(cls, shadow, requires_grad, attrs)
+        requires_grad = bool(requires_grad)
         if not shadow.is_meta:
             raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
         if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
@@ -258,6 +265,38 @@ def _make(cls, shadow, device, requires_grad=False):
 def make_fake(shadow: torch.Tensor, device: torch.device, requires_grad: bool = False) -> "FakeTensor":
     """``FakeTensor(shadow, device)`` for a meta ``shadow`` and a normalized ``device`` (no checks)."""
     return _make(FakeTensor, shadow, device, requires_grad)
+
+
+def recreate(cls, data, requires_grad=None, attrs=None):
+    """``cls(data, **attrs)`` for a fake's class ``cls`` and ``__dict__`` ``attrs``:
+    what the fake's eager class makes of ``data``.
+
+    That class is the one remembered for materialization (``nn.Parameter``,
+    or the class a fake subclass was made for); the fake's own attributes
+    are dropped, the user's are passed on, as eagerly.  A call without a
+    fake's ``__dict__`` (``type(p)(value, requires_grad=...)``, as accelerate's
+    ``set_module_tensor_to_device`` makes) is taken for a parameter's, the
+    one use of this idiom.
+
+    Example::
+
+        >>> with fake_mode():
+        ...     p = torch.nn.Parameter(torch.ones(2))
+        >>> q = type(p)(p.to("meta"), **p.__dict__)   # accelerate's init_empty_weights
+        >>> type(q).__name__, q.device, q.requires_grad
+        ('Parameter', device(type='meta'), True)
+    """
+    attrs = attrs or {}
+    eager = attrs.get("_param_cls") or vars(cls).get("_fake_class_of")  # see fake.subclass
+    if eager is None:
+        if attrs.get("_is_param") or not attrs:
+            eager = torch.nn.Parameter
+        else:
+            eager = torch.Tensor
+    kwargs = {k: v for k, v in attrs.items() if k not in INTERNAL_ATTRS}
+    if requires_grad is not None:
+        kwargs["requires_grad"] = requires_grad
+    return eager(data, **kwargs)
 
 
 def _new(method, self, args, kwargs):

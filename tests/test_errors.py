@@ -47,6 +47,7 @@ def test_error_hierarchy():
     for cls in (MixedFakeError, InferenceTensorInputError, DataDependentError, deferinit.DeferredWriteError):
         assert issubclass(cls, RecordingError)
     assert issubclass(deferinit.DeferredModuleWarning, UserWarning)
+    assert issubclass(deferinit.PendingDrawsWarning, UserWarning)
     for cls in (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError, AutogradMaterializationError):
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
@@ -54,7 +55,7 @@ def test_error_hierarchy():
     for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError",
                  "DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
                  "DeviceUnavailableError", "ExternalTensorMutatedError",
-                 "InferenceTensorInputError", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
+                 "InferenceTensorInputError", "PendingDrawsWarning", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
         assert getattr(deferinit, name).__module__ == "deferinit.errors"
 
 
