@@ -250,8 +250,8 @@ def _checking(name: str, original):
     # What fake.mode's function mode calls instead (PyTorch hands Tensor
     # methods to torch-function modes by their name on torch.Tensor).
     draw.__deferinit_stands_for__ = original
-    if name.startswith("Tensor."):  # pickled by reference as torch.Tensor.<name>, as the builtin is
-        draw.__module__, draw.__qualname__ = "torch", name
+    # Pickled by reference as what it stands for (torch.<name>, torch.Tensor.<name>), as the builtin is.
+    draw.__module__, draw.__qualname__ = "torch", name.removeprefix("torch.")
     return not_inlined(draw)
 
 

@@ -369,3 +369,39 @@ def test_a_deferral_retired_by_another_thread_as_it_closes_releases_what_it_hold
     del first, second
     gc.collect()
     assert pending.PATCHES[0].users == pending.PATCHES[1].users == users
+
+
+def test_a_draw_under_a_device_context_is_checked_on_that_device():
+    """``with torch.device("meta")``: the draw takes no CPU randomness, eagerly
+    or here (no warning), and the CPU generator stays where eager leaves it."""
+
+    def build(defer):
+        torch.manual_seed(0)
+        if defer:
+            with deferred():
+                m = nn.Linear(2, 2)
+        else:
+            m = nn.Linear(2, 2)
+        with torch.device("meta"):
+            x = torch.rand(3)
+        if defer:
+            materialize_module(m)
+        return m, x, torch.rand(4)
+
+    e, e_x, e_next = build(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PendingDrawsWarning)
+        d, d_x, d_next = build(True)
+    assert d_x.device == e_x.device and torch.equal(e.weight, d.weight) and torch.equal(e_next, d_next)
+
+
+def test_the_diverted_random_functions_pickle_as_pytorchs_do():
+    """By reference, to what ``torch.rand`` and ``torch.Tensor.uniform_`` are."""
+    import pickle
+
+    with deferred():
+        m = nn.Linear(2, 2)
+    assert torch.Tensor.uniform_ is not torch._C.TensorBase.uniform_
+    for f in (torch.rand, torch.Tensor.uniform_, torch.Tensor.normal_):
+        assert pickle.loads(pickle.dumps(f)) is f
+    del m
