@@ -10,6 +10,7 @@ import torch
 MODULES = [
     "fake",
     "fake.tensor",
+    "fake.first",
     "fake.mode",
     "fake.device",
     "fake.function",
