@@ -164,9 +164,10 @@ def test_once_per_deferral_and_gone_with_the_record():
 
 @pytest.mark.parametrize("then", ["reseeded", "materialized", "generator set"])
 def test_a_deferral_that_can_no_longer_warn_stops_diverting_draws(then):
-    """Each real random call pays the check (microseconds) while a deferral may
-    warn: only until it can no longer, not for as long as the record lives
-    (a model kept deferred while training another one drew 8-12x slower)."""
+    """Each real random call pays the check (microseconds: see
+    benchmarks/patch_overhead.py) while a deferral may warn: only until it can
+    no longer, not for as long as the record lives (a model kept deferred
+    while another one trains)."""
     users = pending.PATCHES[0].users
     with deferred() as record:  # held: the record outlives its model's fakes
         m = nn.Linear(2, 2)
