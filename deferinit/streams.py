@@ -26,10 +26,12 @@ class ReplayStream:
     is shared with the record, so what a replay learns serves the next);
     ``prev`` is the replay stream of the record this one continues; ``left``
     lists the states the real generator may still be in when nothing drew
-    from it since deferral (see :mod:`materialize.generators`).
+    from it since deferral (see :mod:`materialize.generators`); ``planned``
+    the positions of the draws the replay's reads depend on, if only for
+    their geometry (the plan fills it).
     """
 
-    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator", "sources")
+    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator", "sources", "planned")
 
     def __init__(self, key, device, nodes, events, post, *, prev=None, left=(), sources=()):
         self.key = key
@@ -44,6 +46,7 @@ class ReplayStream:
         # The record streams replayed (kept alive: their nodes point back to
         # them weakly, and a replay after the record died still needs them).
         self.sources = list(sources)
+        self.planned: set[int] = set()
 
     def needs(self, k: int):
         """The draws to replay so that the state right before draw ``k`` is known."""

@@ -247,3 +247,48 @@ def test_handover_waits_while_a_drawn_tensor_stays_deferred():
     materialize_tensor(d.bias)
     assert_same_tensors(eager, d)
     assert_stream(eager_after, torch.rand(8))
+
+
+def _tensor_and_empty_piece():
+    t = torch.randn(5, 3)
+    return t, t.new_zeros(0, 3)  # as DTensor makes a rank's empty piece
+
+
+def test_handover_after_a_draw_read_for_its_geometry_only():
+    """A tensor that depends on a draw only for its geometry: the draw is not
+    needed for values, but eager made it, and the drawn tensor staying deferred
+    must not make the generator wait (ranks of a sharded model would disagree)."""
+    torch.manual_seed(0)
+    eager_t, eager_piece = _tensor_and_empty_piece()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    t, piece = deferred_init(_tensor_and_empty_piece)
+    materialize_tensor(piece)
+    state = torch.get_rng_state()
+    assert_stream(eager_after, torch.rand(8))
+    torch.set_rng_state(state)
+    materialize_tensor(t)  # the generator was handed over already: it stays
+    assert torch.equal(t, eager_t) and torch.equal(piece, eager_piece)
+    assert_stream(eager_after, torch.rand(8))
+
+
+class RandomFactoryParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4))
+
+
+def test_handover_waits_for_a_random_factory_a_load_overwrites():
+    """As for nn.init fills a checkpoint overwrites: a parameter made by a random
+    factory and loaded is allocated, not drawn, and the generator stays where
+    deferral left it."""
+    from materialize import load_checkpoint
+
+    torch.manual_seed(0)
+    untouched = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(RandomFactoryParameter)
+    load_checkpoint(d, {"p": torch.ones(4)})
+    materialize_module(d)
+    assert torch.equal(d.p, torch.ones(4))
+    assert_stream(untouched, torch.rand(8))
