@@ -191,3 +191,46 @@ def test_transformers_perceiver_with_real_decoder_and_preprocessor(order):
     if order == "module":
         assert torch.equal(torch.rand(8), eager_next), "the generator is not where eager construction leaves it"
 
+
+
+# -- every in-place random fill of a real tensor ----------------------------------------
+
+_PROBABILITIES = torch.full((6, 5), 0.25)
+REAL_FILLS = {
+    "normal_": lambda t: t.normal_(2.0, 3.0),
+    "uniform_": lambda t: t.uniform_(-2, 2),
+    "bernoulli_(p)": lambda t: t.bernoulli_(0.3),
+    "bernoulli_(tensor)": lambda t: t.bernoulli_(_PROBABILITIES),
+    "random_": lambda t: t.random_(0, 10),
+    "exponential_": lambda t: t.exponential_(),
+    "geometric_": lambda t: t.geometric_(0.3),
+    "cauchy_": lambda t: t.cauchy_(),
+    "log_normal_": lambda t: t.log_normal_(),
+    "nn.init.kaiming_uniform_": lambda t: nn.init.kaiming_uniform_(t),
+    "nn.init.trunc_normal_": lambda t: nn.init.trunc_normal_(t, std=0.5),
+}
+
+
+class FillsReal(nn.Module):
+    def __init__(self, real, fill):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        with torch.no_grad():
+            REAL_FILLS[fill](real)
+        self.b = nn.Linear(3, 3)
+
+
+@pytest.mark.parametrize("fill", list(REAL_FILLS))
+def test_random_fill_of_a_real_tensor(fill):
+    torch.manual_seed(0)
+    real = torch.zeros(6, 5)
+    eager = FillsReal(real, fill)
+    eager_real, eager_version, eager_next = real.clone(), real._version, torch.rand(8)
+    torch.manual_seed(0)
+    real = torch.zeros(6, 5)
+    d = deferred_init(FillsReal, real, fill)
+    assert torch.equal(real, eager_real), "the real tensor differs from eager's"
+    assert real._version == eager_version
+    materialize_module(d)
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.rand(8), eager_next)
