@@ -66,15 +66,18 @@ def draw_real(recorder, record, func, args, kwargs, info):
     node = Node("op", func, node_flat, spec)
     node.writes = tuple(positions)
     device = written[0].device
+    key = stream_key(kwargs, device)
+    stream = record.stream(key)
+    record.observe(key)  # a seed this thread set since the last draw
+    k = len(stream.nodes)
+    gen = scratch_generator(device)
+    set_state(gen, recorder.generator_state(stream, k))
+    with no_python_dispatch():
+        # Raising here (eager's argument checks) records nothing: eager drew nothing.
+        out = call_with_generator(node, func, args, kwargs, gen, device)
     # The storage is nobody's (it dies here): a replay treats the draw like a
     # random temporary, whose values nothing reads.
-    record.add_random(node, stream_key(kwargs, device), target_storage)
-    stream, k = node.rng[0](), node.rng[1]
-    state = recorder.generator_state(stream, k)
-    gen = scratch_generator(device)
-    set_state(gen, state)
-    with no_python_dispatch():
-        out = call_with_generator(node, func, args, kwargs, gen, device)
+    record.add_random(node, key, target_storage)
     stream.post[k] = get_state(gen)
     return out
 

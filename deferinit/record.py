@@ -156,13 +156,27 @@ class Record:
         stream.since = since
 
     def observe(self, key) -> None:
-        """Bring the stream of ``key`` up to date with this thread's C++ calls
-        (before answering ``get_rng_state`` or ``initial_seed``)."""
+        """Bring the stream of ``key`` up to date with what this thread did to its
+        generator since the last draw, before answering ``get_rng_state`` or
+        ``initial_seed``, or computing the state the next draw starts from
+        (a random op on a real tensor, :mod:`deferinit.realdraws`)."""
         stream = self.streams.get(key)
-        if stream is not None and self.open and stream.generator is not None and stream.observed is not None:
+        if stream is None or not self.open or stream.generator is None:
+            return
+        if type(key) is GeneratorKey:
+            self._check_mark(stream, len(stream.nodes), stream.generator)
+        elif stream.observed is not None:
             self._observe(stream, len(stream.nodes))
 
     def _mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
+        self._check_mark(stream, index, gen)
+        tag = new_tag()
+        torch._C.Generator.manual_seed(gen, tag)
+        self.markers[tag] = (stream, index)
+
+    def _check_mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
+        """What user code did to explicit generator ``gen`` since draw ``index - 1``
+        (idempotent until the generator is marked again)."""
         mark = self.markers.get(torch._C.Generator.initial_seed(gen))
         if mark is not None and mark[0] is stream:
             if mark[1] != index - 1:
@@ -172,9 +186,6 @@ class Record:
             state = get_state(gen)
             stream.event(index, SET if index else OBSERVED, state)
             stream.base = state
-        tag = new_tag()
-        torch._C.Generator.manual_seed(gen, tag)
-        self.markers[tag] = (stream, index)
 
     def close(self) -> None:
         """Recording stopped: unmark the explicit generators, remember the real states."""

@@ -234,3 +234,40 @@ def test_random_fill_of_a_real_tensor(fill):
     materialize_module(d)
     assert_same_tensors(eager, d)
     assert torch.equal(torch.rand(8), eager_next)
+
+
+class RealDrawsAfterReseeds(nn.Module):
+    """Real draws right after seeds set through every route, and a real draw
+    eager refuses (it draws nothing)."""
+
+    def __init__(self, real, g):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        g.manual_seed(5)                 # an explicit generator seeded by user code
+        real[0].normal_(generator=g)
+        self.b = nn.Parameter(torch.randn(4, generator=g))
+        _REAL_GENERATOR.manual_seed(7)   # the real default generator, by a kept reference
+        real[1].uniform_()
+        try:
+            real[2].bernoulli_(1.5)
+        except RuntimeError:
+            pass
+        self.c = nn.Linear(3, 3)
+
+
+_REAL_GENERATOR = torch.default_generator
+
+
+def test_real_draws_after_reseeds_and_a_refused_one():
+    torch.manual_seed(0)
+    real, g = torch.zeros(3, 4), torch.Generator()
+    eager = RealDrawsAfterReseeds(real, g)
+    eager_real, eager_next, eager_g_next = real.clone(), torch.rand(8), torch.rand(8, generator=g)
+    torch.manual_seed(0)
+    real, g = torch.zeros(3, 4), torch.Generator()
+    d = deferred_init(RealDrawsAfterReseeds, real, g)
+    assert torch.equal(real, eager_real)
+    materialize_module(d)
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.rand(8), eager_next)
+    assert torch.equal(torch.rand(8, generator=g), eager_g_next)
