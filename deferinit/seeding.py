@@ -15,7 +15,7 @@ default generators is diverted in the recording thread (and only there):
 * reading (``get_rng_state``, ``initial_seed``) answers with the state eager
   construction would have reached at this point, replaying the draws made so
   far into scratch memory when it is not known yet;
-* ``torch.default_generator`` (and ``CPU_GENERATOR``,
+* ``torch.default_generator`` (and ``torch._C.default_generator``,
   ``torch.random.default_generator``) is, in the recording thread, a
   stand-in whose methods do the same (``clone_state()`` gives a generator in
   eager's state), and which ops passed ``generator=torch.default_generator``
