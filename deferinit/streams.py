@@ -120,7 +120,18 @@ def replay_streams(streams: list[Stream], device_map) -> dict:
     for stream in streams:
         record = stream.record() if stream.record is not None else None
         target = device_map.stream_key(stream.key)
-        by_target.setdefault((id(record), target), (record, target, []))[2].append(stream)
+        group = by_target.setdefault((id(record), target), (record, target, []))[2]
+        if all(stream is not s for s in group):
+            group.append(stream)
+    if device_map.target is not None:
+        # Eager construction on the target device draws every one of the
+        # record's device streams from its generator, in recorded order: a
+        # draw of one stream needs the draws of the others made before it.
+        for record, target, group in by_target.values():
+            for key, stream in (record.streams.items() if record is not None else ()):
+                if type(key) is torch.device and device_map.stream_key(key) == target:
+                    if all(stream is not s for s in group):
+                        group.append(stream)
     for record, target, group in by_target.values():
         if len(group) == 1 and group[0].key == target:
             _own(group[0], result)

@@ -292,3 +292,28 @@ def test_handover_waits_for_a_random_factory_a_load_overwrites():
     materialize_module(d)
     assert torch.equal(d.p, torch.ones(4))
     assert_stream(untouched, torch.rand(8))
+
+
+class TwoDevices(nn.Module):
+    def __init__(self, first, second):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, device=second))
+        self.b = nn.Parameter(torch.randn(4, device=first))
+        self.c = nn.Parameter(torch.randn(4, device=second))
+
+
+@pytest.mark.parametrize("order", [["b"], ["c"], ["c", "b", "a"], ["a", "b", "c"], ["b", "c", "a"]], ids="-".join)
+def test_a_record_of_two_devices_materialized_on_one_in_any_order(order):
+    """With device=, every draw comes from the target device's generator in
+    recorded order, also when a tensor of one recorded device is materialized
+    before (or without) those of the other."""
+    torch.manual_seed(0)
+    eager = TwoDevices("cpu", "cpu")
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(TwoDevices, "cpu", "cuda")
+    for name in order:
+        materialize_tensor(getattr(d, name), device="cpu")
+        assert torch.equal(getattr(d, name), getattr(eager, name)), f"{name} differs from eager on cpu"
+    if len(order) == 3:
+        assert_stream(eager_after, torch.rand(8))

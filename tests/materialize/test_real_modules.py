@@ -271,3 +271,37 @@ def test_real_draws_after_reseeds_and_a_refused_one():
     assert_same_tensors(eager, d)
     assert torch.equal(torch.rand(8), eager_next)
     assert torch.equal(torch.rand(8, generator=g), eager_g_next)
+
+
+class RealBetweenCuda(nn.Module):
+    def __init__(self, backbone, device):
+        super().__init__()
+        self.pre = nn.Linear(4, 4, device=device)
+        self.backbone = backbone
+        nn.init.normal_(backbone.weight)
+        self.head = nn.Linear(4, 4, device=device)
+
+
+def test_recorded_for_cuda_materialized_on_cpu_around_a_real_cpu_draw():
+    """A record for (fake) CUDA around a real CPU module, materialized on CPU:
+    the deferred tensors and the generator are eager CPU construction's (the
+    real draw is replayed into scratch for the state it leaves there); the
+    real module keeps what it drew at recording, from the recorded devices'
+    generators (the documented limit)."""
+    torch.manual_seed(0)
+    backbone = nn.Linear(4, 4)
+    eager = RealBetweenCuda(backbone, "cpu")
+    eager_next = torch.rand(8)
+    torch.manual_seed(0)
+    backbone = nn.Linear(4, 4)
+    # Eagerly with the other layers on a device whose draws do not touch the
+    # CPU generator (meta): what the CPU generator gives the real module then.
+    drawn_at_recording = RealBetweenCuda(backbone, "meta").backbone.weight.clone()
+    torch.manual_seed(0)
+    backbone = nn.Linear(4, 4)
+    d = deferred_init(RealBetweenCuda, backbone, "cuda")
+    assert torch.equal(backbone.weight, drawn_at_recording)
+    materialize_module(d, device="cpu")
+    for name in ("pre.weight", "pre.bias", "head.weight", "head.bias"):
+        assert torch.equal(named_tensors(d)[name], named_tensors(eager)[name]), f"{name} differs from eager on cpu"
+    assert torch.equal(torch.rand(8), eager_next)
