@@ -302,7 +302,7 @@ class Foreign:
     before it looks.
     """
 
-    _KEEP = 16  # sets remembered per generator
+    _KEEP = 64  # sets remembered per generator
 
     def __init__(self):
         # Reentrant: torch.manual_seed calls torch.cuda.manual_seed_all, diverted too.

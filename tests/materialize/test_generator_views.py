@@ -36,10 +36,12 @@ class Two(nn.Module):
 
 
 class Drawing:
-    """A thread drawing from the default generator in a loop until stopped."""
+    """A thread drawing from the default generator in a loop until stopped
+    (with ``seeds``, it also seeds the generator through torch's API now and then)."""
 
-    def __init__(self):
+    def __init__(self, seeds=False):
         self.stop = threading.Event()
+        self.seeds = seeds
         self.draws = 0
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -47,6 +49,8 @@ class Drawing:
     def _run(self):
         try:
             while not self.stop.is_set():
+                if self.seeds and self.draws % 7 == 0:
+                    torch.manual_seed(1000 + self.draws)
                 torch.rand(64)
                 self.draws += 1
         except BaseException as e:  # noqa: BLE001 - reported by the test
@@ -71,20 +75,21 @@ def _seeded_two(seed):
     return Two()
 
 
-def test_another_thread_drawing_in_a_loop_leaves_each_record_eager():
+@pytest.mark.parametrize("seeds", [False, True], ids=["draws", "draws and seeds"])
+def test_another_thread_drawing_in_a_loop_leaves_each_record_eager(seeds):
     """Models deferred (each seeded inside its deferral) while another thread
-    draws without pause: every model equals eager construction, which no
-    interleaving of the other thread's draws could give otherwise."""
-    seeds = range(6)
-    eager = {s: _seeded_two(s) for s in seeds}
+    draws (and seeds) without pause: every model equals eager construction,
+    which no interleaving of the other thread's draws could give otherwise."""
+    seeds_ = range(6)
+    eager = {s: _seeded_two(s) for s in seeds_}
     models = {}
-    with Drawing() as other:
-        for s in seeds:
+    with Drawing(seeds) as other:
+        for s in seeds_:
             with deferred():
                 models[s] = _seeded_two(s)
         drawn = other.draws
     assert drawn > 10
-    for s in seeds:
+    for s in seeds_:
         materialize_module(models[s])
         assert_same_tensors(eager[s], models[s])
 
