@@ -53,6 +53,7 @@ def draw_real(recorder, record, func, args, kwargs, info):
     node_flat = list(flat)
     positions = []
     target_storage = None
+    outside = []  # (tensor, external node) of the tensors written
     for i, x in enumerate(flat):
         if isinstance(x, torch.Tensor):
             # By reference, for a replay that needs this draw only for the
@@ -63,6 +64,7 @@ def draw_real(recorder, record, func, args, kwargs, info):
             if any(x is w for w in written):
                 positions.append(i)
                 target_storage = storage
+                outside.append((x, value.node))
     node = Node("op", func, node_flat, spec)
     node.writes = tuple(positions)
     device = written[0].device
@@ -75,6 +77,8 @@ def draw_real(recorder, record, func, args, kwargs, info):
     with no_python_dispatch():
         # Raising here (eager's argument checks) records nothing: eager drew nothing.
         out = call_with_generator(node, func, args, kwargs, gen, device)
+    for x, external in outside:
+        external.version = x._version  # this very write is not a change from outside
     # The storage is nobody's (it dies here): a replay treats the draw like a
     # random temporary, whose values nothing reads.
     record.add_random(node, key, target_storage)
