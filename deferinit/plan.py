@@ -151,6 +151,10 @@ class Plan:
             closure((), draws, needed)
             if len(needed) == before:
                 break
+        for node in needed.values():
+            if node.rng is not None:
+                rs = self.streams[id(node.rng[0]())]
+                rs.planned.add(rs.index[id(node)])
 
         if not self.eliminate:
             self.order = sorted(needed.values(), key=lambda n: n.seq)

@@ -24,6 +24,7 @@ from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
 from .outside import computes_plain
+from .realdraws import draw_real
 from .grad import autograd_reads as _autograd_reads
 from .graph import Input, Node, Storage, Value
 from .record import current_record
@@ -149,6 +150,14 @@ class Recorder(FakeHandler):
             storage = target.__dict__.get("_storage") if isinstance(target, FakeTensor) else None
             record.add_random(node, stream_key(kwargs, device), storage)
         return call.out
+
+    def run_real(self, func, args, kwargs):
+        info = op_info(func)
+        record = current_record()
+        if info.random and record is not None and not _has_fake(args, kwargs):
+            # A random op on a real tensor while recording: eager's numbers now.
+            return draw_real(self, record, func, args, kwargs, info)
+        return FakeHandler.run_real(self, func, args, kwargs)
 
     def where(self) -> str:
         if current_record() is None:
@@ -355,6 +364,10 @@ def check_storage_not_real(fake: FakeTensor, op) -> None:
             "memory with a tensor already materialized, so the write would be replayed out of "
             "order. Materialize this tensor first (materialize_tensor), then write to it."
         )
+
+
+def _has_fake(args, kwargs) -> bool:
+    return any(isinstance(x, FakeTensor) for x in flatten(args, kwargs)[0])
 
 
 def _has_tensor(flat) -> bool:
