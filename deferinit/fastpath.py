@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fake.checks import check_arguments
-from fake.device import normalize
+from fake.device import kind_of, normalize
 from fake.flat import flatten
 from fake.function import default_device
 from fake.opinfo import op_info
@@ -88,9 +88,9 @@ def _factory(op, keys):
             return NotImplemented
         if device is None:
             device = current_intended_device() or default_device()
-        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (kind_of(device) == "cpu"):
             device = normalize(device)
-        if device.type == "meta":
+        if kind_of(device) == "meta":
             return NotImplemented
         if dtype is None:
             dtype = torch.get_default_dtype()

@@ -20,7 +20,7 @@ from . import handlers
 from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .reads import READS, read, reads_memory
-from .device import backend_device
+from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
 from .subclass import accepting_fakes
 from .tensor import FakeTensor
@@ -60,7 +60,7 @@ class FakeFunctionMode(TorchFunctionMode):
         self.bodies: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        meant = _backend_stands_for(args) if type(func) not in _OPERATORS else None
+        meant = _backend_stands_for(args) if BACKENDLESS and type(func) not in _OPERATORS else None
         if meant is not None:
             with backend_stands_for(meant):
                 return self.__torch_function__(func, types, args, kwargs)
@@ -137,7 +137,7 @@ def _backend_stands_for(args):
     if not isinstance(first, FakeTensor):
         return None
     device = first.__dict__["_device"]
-    if device.type == "cpu" or backend_device(device) == device or backend_meant() == device:
+    if device not in BACKENDLESS or backend_meant() == device:
         return None
     return device
 

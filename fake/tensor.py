@@ -17,7 +17,7 @@ import torch
 from . import handlers
 from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
-from .device import backend_device, normalize
+from .device import backend_device, kind_of, normalize
 from .errors import FakeDataAccessError
 from .storage import storage_of
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
@@ -70,7 +70,7 @@ class FakeTensor(torch.Tensor):
         requires_grad = bool(requires_grad)
         if not shadow.is_meta:
             raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
-        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (kind_of(device) == "cpu"):
             device = normalize(device)
         return _make(cls, shadow, device, requires_grad)
 
@@ -83,11 +83,11 @@ class FakeTensor(torch.Tensor):
 
     @property
     def is_cuda(self) -> bool:
-        return self.__dict__["_device"].type == "cuda"
+        return kind_of(self.__dict__["_device"]) == "cuda"
 
     @property
     def is_cpu(self) -> bool:
-        return self.__dict__["_device"].type == "cpu"
+        return kind_of(self.__dict__["_device"]) == "cpu"
 
     @property
     def is_meta(self) -> bool:
@@ -95,7 +95,7 @@ class FakeTensor(torch.Tensor):
 
     def get_device(self) -> int:
         device = self.__dict__["_device"]
-        return -1 if device.type == "cpu" else device.index
+        return -1 if kind_of(device) == "cpu" else device.index
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
