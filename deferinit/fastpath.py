@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.checks import check_arguments
+from fake.checks import check_fill
 from fake.device import kind_of, normalize
 from fake.flat import flatten
 from fake.function import default_device
@@ -178,7 +178,7 @@ def _fill(op):
                 return NotImplemented
         shadow = d["_shadow"]
         # Eager's argument checks, which meta kernels skip (fake.checks).
-        check_arguments(op, (shadow, *scalars), {"generator": generator} if generator is not None else {}, (shadow,))
+        check_fill(op, shadow, tuple(scalars), generator)
         shape = (len(scalars), generator is not None)
         spec = specs.get(shape)
         if spec is None:

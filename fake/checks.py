@@ -128,6 +128,33 @@ def check_arguments(func, args, kwargs, written=()) -> None:
             break
 
 
+_fills_passed: set = set()
+
+
+def check_fill(func, tensor: torch.Tensor, scalars: tuple, generator=None) -> None:
+    """``check_arguments`` of an in-place fill ``tensor.func(*scalars)`` (what every
+    ``nn.init`` function ends in), with one flat cache in front: a model
+    records thousands of fills of a few kinds, and building the general key
+    cost more than the rest of recording the fill.
+
+    Example::
+
+        >>> t = torch.empty(2, 2, device="meta")
+        >>> check_fill(torch.ops.aten.uniform_.default, t, (1.0, 0.0))
+        Traceback (most recent call last):
+        RuntimeError: uniform_ expects to return a [from, to) range, but found from=1 > to=0
+    """
+    if not tensor.is_contiguous():
+        check_arguments(func, (tensor, *scalars), {"generator": generator} if generator is not None else {}, (tensor,))
+        return
+    # Types too: 1, 1.0 and True are equal keys otherwise.
+    key = (id(func), tensor.dtype, tensor.shape, generator is None, scalars, tuple(map(type, scalars)))
+    if key in _fills_passed:
+        return
+    check_arguments(func, (tensor, *scalars), {"generator": generator} if generator is not None else {}, (tensor,))
+    _fills_passed.add(key)
+
+
 def _small_shape(t: torch.Tensor) -> tuple:
     # At most 2 per dimension: rank, emptiness and "one element" (a fast
     # path in some kernels) are kept.
