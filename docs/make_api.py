@@ -38,6 +38,7 @@ PUBLIC = [
             "ReplayError",
             "CheckpointError",
             "CheckpointMismatchError",
+            "CheckpointNotFoundError",
             "CheckpointReadError",
         ],
     ),
