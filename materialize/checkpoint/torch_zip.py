@@ -68,7 +68,11 @@ class Archive:
                 raise ArchiveError(f"a member's name holds a NUL byte: {raw[:60]!r}")
             key = raw.translate(_LOWER)
             if key in self.records:
-                raise ArchiveError(f"two members are named {raw.decode(errors='replace')!r} but for case")
+                other = _raw_name(self.records[key])
+                raise ArchiveError(
+                    f"member {raw.decode(errors='replace')!r} is in it twice" if other == raw else
+                    f"members {other.decode(errors='replace')!r} and {raw.decode(errors='replace')!r} differ only by case"
+                )
             self.records[key] = info
         first = _raw_name(infos[0]) if infos else b""
         if b"/" not in first:
