@@ -326,6 +326,7 @@ def index_mutation(folder: str, secret: str, rng: random.Random) -> str:
         with open(index) as f:
             content = json.load(f)
         weight_map = content["weight_map"]
+        assert isinstance(weight_map, dict) and weight_map
         key = rng.choice(sorted(weight_map))
         how = rng.choice(["value", "value", "key", "structure", "text", "shard", "shard", "shard", "link"])
     except Exception:  # noqa: BLE001 - an earlier mutation broke the index

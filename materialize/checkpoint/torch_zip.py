@@ -79,9 +79,17 @@ class Archive:
             raise ArchiveError(f"its first member {first.decode(errors='replace')!r} is not in a folder" if infos else "it has no members")
         self.prefix = first[: first.index(b"/") + 1]
         for info in infos:
-            if not _raw_name(info).startswith(self.prefix):
+            raw = _raw_name(info)
+            if not raw.startswith(self.prefix):
                 raise ArchiveError(f"member {info.orig_filename!r} is outside the folder {self.prefix.decode(errors='replace')!r}")
-            if _raw_name(info)[len(self.prefix):] == b"constants.pkl":
+            # torch.load lists the names as Python strings, read from a 512-byte buffer
+            try:
+                name = raw[len(self.prefix):].decode("utf-8")
+            except UnicodeDecodeError:
+                raise ArchiveError(f"member {raw[:80]!r} has a name that is not UTF-8") from None
+            if len(raw) > 511:
+                raise ArchiveError(f"member {raw[:80]!r}... has a name of {len(raw)} bytes (torch.load reads 511)")
+            if name == "constants.pkl":
                 raise ArchiveError("it is a TorchScript archive (torch.jit.save), not a torch.save file")
         self._check_version()
 
@@ -123,6 +131,9 @@ class Archive:
         return self.records.get((self.prefix + name.encode()).translate(_LOWER))
 
     def _open(self, info: zipfile.ZipInfo):
+        if info.external_attr & 0x10 or info.orig_filename.endswith("/"):
+            # miniz reads nothing for a directory: torch.load gets uninitialised memory
+            raise ArchiveError(f"member {info.orig_filename!r} is marked as a directory")
         if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
             raise ArchiveError(f"member {info.orig_filename!r} is compressed with method {info.compress_type}, which torch.load cannot read")
         if info.flag_bits & _PATCHED:

@@ -125,42 +125,47 @@ def make_seeds(root: str) -> dict:
     return seeds
 
 
+def make_mutant(seeds: dict, group: str, i: int, root: str) -> dict:
+    """Mutant ``i`` of ``group`` (the same for the same seed, whatever else is made)."""
+    names = sorted(n for n, (g, _, _) in seeds.items() if g == group)
+    rng = random.Random(f"{SEED}-{group}-{i}")
+    name = rng.choice(names)
+    _, kind, src = seeds[name]
+    steps = rng.choices([1, 2, 3], weights=[6, 3, 1])[0]
+    where = os.path.join(root, str(i))
+    os.makedirs(where)
+    done = []
+    if kind == "index":
+        path = os.path.join(where, "ckpt")
+        shutil.copytree(src, path)
+        secret = os.path.join(where, "secret.safetensors")
+        save_file(state_dicts()[0], secret)
+        for _ in range(steps):
+            done.append(index_mutation(path, secret, rng))
+    else:
+        with open(src, "rb") as f:
+            blob = f.read()
+        mutate = safetensors_mutation if kind == "safetensors" else torch_mutation
+        for _ in range(steps):
+            how = mutate if rng.random() < 0.85 else bytes_mutation
+            try:
+                blob, what = how(blob, rng)
+            except Exception as e:  # noqa: BLE001 - a mutator lost on an earlier mutant: plain bytes
+                blob, what = bytes_mutation(blob, rng)
+                what = f"({how.__name__}: {type(e).__name__}) {what}"
+            done.append(what)
+        path = os.path.join(where, os.path.basename(src))
+        with open(path, "wb") as f:
+            f.write(blob)
+    return {"i": i, "kind": kind, "path": path, "strict": rng.random() < 0.75, "what": f"{name}: " + "; ".join(done)}
+
+
 def make_mutants(seeds: dict, group: str, count: int, root: str) -> list:
+    """The seeds of ``group`` as they are, then mutants up to ``count``."""
     names = sorted(n for n, (g, _, _) in seeds.items() if g == group)
     jobs = [{"i": i, "kind": seeds[n][1], "path": seeds[n][2], "strict": True, "what": f"{n}: unmutated"}
             for i, n in enumerate(names)]
-    for i in range(len(jobs), count):
-        rng = random.Random(f"{SEED}-{group}-{i}")
-        name = rng.choice(names)
-        _, kind, src = seeds[name]
-        steps = rng.choices([1, 2, 3], weights=[6, 3, 1])[0]
-        where = os.path.join(root, str(i))
-        os.makedirs(where)
-        done = []
-        if kind == "index":
-            path = os.path.join(where, "ckpt")
-            shutil.copytree(src, path)
-            secret = os.path.join(where, "secret.safetensors")
-            save_file(state_dicts()[0], secret)
-            for _ in range(steps):
-                done.append(index_mutation(path, secret, rng))
-        else:
-            with open(src, "rb") as f:
-                blob = f.read()
-            mutate = safetensors_mutation if kind == "safetensors" else torch_mutation
-            for _ in range(steps):
-                how = mutate if rng.random() < 0.85 else bytes_mutation
-                try:
-                    blob, what = how(blob, rng)
-                except Exception as e:  # noqa: BLE001 - a mutator lost on an earlier mutant: plain bytes
-                    blob, what = bytes_mutation(blob, rng)
-                    what = f"({how.__name__}: {type(e).__name__}) {what}"
-                done.append(what)
-            path = os.path.join(where, os.path.basename(src))
-            with open(path, "wb") as f:
-                f.write(blob)
-        jobs.append({"i": i, "kind": kind, "path": path, "strict": rng.random() < 0.75, "what": f"{name}: " + "; ".join(done)})
-    return jobs
+    return jobs + [make_mutant(seeds, group, i, root) for i in range(len(jobs), count)]
 
 
 def _start(jobs: list, root: str, n: int):

@@ -1,0 +1,283 @@
+"""Checkpoint files are untrusted input (issue 18): one test per way a file
+no one here wrote used to be trusted.
+
+Each compares with the reference loader (``safetensors.torch.load_file``,
+``torch.load(weights_only=True)`` and ``load_state_dict``): a file it
+refuses is refused with ``CheckpointError`` at ``load_checkpoint``, naming
+the file and what is wrong, and neither a deferred nor a real module
+changes; a file it reads gives the same values.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import zipfile
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from deferinit import CheckpointError, CheckpointNotFoundError, deferred_init, graph_of
+from materialize import load_checkpoint, materialize_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def build():
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+
+
+def state_dict():
+    g = torch.Generator().manual_seed(3)
+    return {k: torch.randn(v.shape, generator=g) for k, v in build().state_dict().items()}
+
+
+def refused(source, match: str):
+    """``load_checkpoint`` raises ``CheckpointError`` matching ``match`` on a
+    deferred and on a real module, and changes neither."""
+    torch.manual_seed(0)
+    deferred = deferred_init(build)
+    before = str(graph_of(deferred))
+    with pytest.raises(CheckpointError, match=match) as info:
+        load_checkpoint(deferred, source)
+    assert str(graph_of(deferred)) == before
+    real = build()
+    values = {k: v.clone() for k, v in real.state_dict().items()}
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(real, source)
+    assert all(torch.equal(v, values[k]) for k, v in real.state_dict().items())
+    return info.value
+
+
+def loads_as(source, reference: dict, ctor=build):
+    """``load_checkpoint`` gives what ``load_state_dict(reference)`` gives, deferred and real."""
+    expected = ctor()
+    expected.load_state_dict(reference)
+    deferred = deferred_init(ctor)
+    load_checkpoint(deferred, source)
+    real = ctor()
+    load_checkpoint(real, source)
+    for m in (materialize_module(deferred), real):
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, expected.state_dict()[k]), k
+
+
+def safetensors_bytes(header: dict, data: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+# -- index files ------------------------------------------------------------------
+
+
+def _sharded(folder, names=("a.safetensors", "b.safetensors")):
+    sd = state_dict()
+    folder.mkdir()
+    keys = sorted(sd)
+    save_file({k: sd[k] for k in keys[:2]}, folder / names[0])
+    save_file({k: sd[k] for k in keys[2:]}, folder / names[1])
+    weight_map = {k: names[0] for k in keys[:2]} | {k: names[1] for k in keys[2:]}
+    return sd, weight_map
+
+
+def _write_index(folder, content):
+    (folder / "model.safetensors.index.json").write_text(json.dumps(content))
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "symlink"])
+def test_index_naming_a_file_outside_the_folder_is_refused(tmp_path, how):
+    sd, weight_map = _sharded(tmp_path / "ckpt")
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({k: torch.full_like(v, 7.0) for k, v in sd.items()}, other / "secret.safetensors")
+    key = sorted(sd)[0]
+    if how == "dotdot":
+        weight_map[key] = "../other/secret.safetensors"
+    elif how == "absolute":
+        weight_map[key] = str(other / "secret.safetensors")
+    else:
+        os.remove(tmp_path / "ckpt" / "a.safetensors")
+        os.symlink(other / "secret.safetensors", tmp_path / "ckpt" / "a.safetensors")
+    _write_index(tmp_path / "ckpt", {"weight_map": weight_map})
+    error = refused(tmp_path / "ckpt", "outside .*ckpt: only files inside the folder are read")
+    assert "model.safetensors.index.json" in str(error) and repr(key) in str(error)
+
+
+def test_a_folder_without_index_does_not_follow_a_link_out(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file(state_dict(), tmp_path / "secret.safetensors")
+    os.symlink(tmp_path / "secret.safetensors", folder / "model.safetensors")
+    refused(folder, "symbolic link to .*secret.safetensors, outside")
+
+
+def test_links_inside_the_folder_and_into_the_hub_cache_are_followed(tmp_path):
+    sd, weight_map = _sharded(tmp_path / "ckpt")
+    os.rename(tmp_path / "ckpt" / "b.safetensors", tmp_path / "ckpt" / "real-b.safetensors")
+    os.symlink("real-b.safetensors", tmp_path / "ckpt" / "b.safetensors")
+    _write_index(tmp_path / "ckpt", {"weight_map": weight_map})
+    loads_as(tmp_path / "ckpt", sd)
+    # huggingface_hub's cache: snapshots/<revision>/<file> -> ../../blobs/<hash>
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    save_file(sd, repo / "blobs" / "0123abcd")
+    os.symlink("../../blobs/0123abcd", repo / "snapshots" / "abc123" / "model.safetensors")
+    loads_as(repo / "snapshots" / "abc123", sd)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ([{"weight_map": {}}], "is a JSON list, not an object"),
+        ({"weight_map": [["0.weight", "a.safetensors"]]}, "has a list 'weight_map'"),
+        ({"metadata": {}}, "has no 'weight_map'"),
+        ({"weight_map": {"0.weight": 3}}, "puts '0.weight' in 3, not a file name"),
+        ({"weight_map": {"0.weight": None}}, "puts '0.weight' in None, not a file name"),
+        ({"weight_map": {"0.weight": ""}}, "names '', not a file name"),
+    ],
+)
+def test_malformed_index_is_refused_naming_it(tmp_path, content, match):
+    _sharded(tmp_path / "ckpt")
+    _write_index(tmp_path / "ckpt", content)
+    error = refused(tmp_path / "ckpt", match)
+    assert "model.safetensors.index.json" in str(error)
+
+
+# -- safetensors headers --------------------------------------------------------------
+
+
+def _one_tensor(tmp_path, offsets, data_len=48):
+    header = {"0.weight": {"dtype": "F32", "shape": [4, 3], "data_offsets": offsets}}
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(safetensors_bytes(header, bytes(range(data_len))))
+    with pytest.raises(Exception):  # the reference refuses it too
+        load_file(path)
+    return path
+
+
+@pytest.mark.parametrize("offsets", [[-48, 0], [-8, 40], [-100, -52]], ids=["before-data", "straddling", "in-header"])
+def test_offsets_pointing_into_the_header_are_refused(tmp_path, offsets):
+    path = _one_tensor(tmp_path, offsets)
+    refused(path, r"bad.safetensors is not a valid safetensors file: an offset of '0.weight' is -\d+")
+
+
+@pytest.mark.parametrize(
+    "offsets, match",
+    [
+        (["0", "48"], "an offset of '0.weight' is \"0\", not a non-negative integer"),
+        ([0.0, 48.0], "an offset of '0.weight' is 0.0, not"),
+        ([False, True], "an offset of '0.weight' is false, not"),
+        ([0, 48, 48], r"data_offsets \[0, 48, 48\], not \[begin, end\]"),
+        ([8, 56], r"'0.weight' spans bytes 8 to 56 of the data, which leaves a gap"),
+        ([0, 44], "'0.weight' spans 44 bytes, \\[4, 3\\] F32 takes 48"),
+    ],
+    ids=["strings", "floats", "booleans", "three", "gap", "short"],
+)
+def test_offsets_of_the_wrong_kind_are_refused_at_load_time(tmp_path, offsets, match):
+    path = _one_tensor(tmp_path, offsets, data_len=56 if offsets == [8, 56] else 48)
+    refused(path, match)
+
+
+def test_second_tensor_bad_leaves_a_real_module_untouched(tmp_path):
+    sd = state_dict()
+    save_file(sd, tmp_path / "good.safetensors")
+    blob = (tmp_path / "good.safetensors").read_bytes()
+    n = struct.unpack("<Q", blob[:8])[0]
+    header = json.loads(blob[8:8 + n])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    header[last]["data_offsets"] = [float(x) for x in header[last]["data_offsets"]]
+    (tmp_path / "bad.safetensors").write_bytes(safetensors_bytes(header, blob[8 + n:]))
+    refused(tmp_path / "bad.safetensors", f"an offset of {last!r} is")
+
+
+# -- torch.save archives ----------------------------------------------------------------
+
+
+def _rezip(src, dst, method=zipfile.ZIP_STORED, edit=lambda name, data: data):
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", method) as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, edit(info.filename, zin.read(info)))
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED], ids=["stored", "deflated"])
+def test_an_archive_rezipped_by_a_zip_tool_loads_as_torch_load(tmp_path, method):
+    sd = state_dict()
+    big = torch.randn(4, 4)  # views sharing one storage, at offsets
+    sd["0.weight"], sd["0.bias"] = big[:, 1:], big[:, 0]
+    torch.save(sd, tmp_path / "model.pt")
+    _rezip(tmp_path / "model.pt", tmp_path / "rezipped.pt", method)
+    reference = torch.load(tmp_path / "rezipped.pt", map_location="cpu", weights_only=True)
+    loads_as(tmp_path / "rezipped.pt", reference)
+
+
+def test_a_storage_record_shorter_than_the_pickle_says_is_refused(tmp_path):
+    torch.save(state_dict(), tmp_path / "model.pt")
+    _rezip(tmp_path / "model.pt", tmp_path / "short.pt", edit=lambda n, d: d[:-4] if n.endswith("data/0") else d)
+    with pytest.raises(RuntimeError, match="size"):
+        torch.load(tmp_path / "short.pt", map_location="cpu", weights_only=True)
+    refused(tmp_path / "short.pt", r"short.pt is not a torch.save archive .*record '.*data/0' has \d+ bytes, its pickle says")
+
+
+def test_a_big_endian_archive_loads_as_torch_load_in_a_child_process(tmp_path):
+    """``torch.load(map_location="meta")``, used to read archives before, died of
+    SIGSEGV on these: the check runs where a crash cannot take the tests down."""
+    script = textwrap.dedent(
+        f"""
+        import sys, zipfile, torch
+        sys.path.insert(0, {os.path.join(ROOT, 'tests', 'materialize')!r})
+        import test_checkpoint_untrusted as t
+        sd = t.state_dict()
+        sd["c"] = torch.randn(3, dtype=torch.complex64)
+        torch.save(sd, {str(tmp_path / 'little.pt')!r})
+
+        def swap(name, data):
+            if name.endswith("byteorder"):
+                return b"big"
+            if "/data/" in name:
+                return b"".join(data[i:i + 4][::-1] for i in range(0, len(data), 4))
+            return data
+
+        t._rezip({str(tmp_path / 'little.pt')!r}, {str(tmp_path / 'big.pt')!r}, edit=swap)
+        reference = torch.load({str(tmp_path / 'big.pt')!r}, map_location="cpu", weights_only=True)
+        assert all(torch.equal(reference[k], sd[k]) for k in sd)  # the swap undone, complex halves apart
+
+        def ctor():
+            m = t.build()
+            m.register_buffer("c", torch.zeros(3, dtype=torch.complex64))
+            return m
+
+        t.loads_as({str(tmp_path / 'big.pt')!r}, reference, ctor)
+        print("ok")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stdout, done.stderr[-3000:])
+
+
+# -- missing files ---------------------------------------------------------------------
+
+
+def test_a_missing_file_is_also_a_file_not_found_error(tmp_path):
+    path = tmp_path / "nothing.safetensors"
+    error = refused(path, "no checkpoint at .*nothing.safetensors: no such file or directory")
+    assert isinstance(error, FileNotFoundError) and isinstance(error, CheckpointNotFoundError)
+    assert error.errno == errno.ENOENT and error.filename == str(path)
+    with pytest.raises(FileNotFoundError):  # what code written for torch.load catches
+        load_checkpoint(build(), str(tmp_path / "nothing.pt"))
+
+
+def test_an_index_naming_a_missing_file_raises_file_not_found(tmp_path):
+    sd, weight_map = _sharded(tmp_path / "ckpt")
+    os.remove(tmp_path / "ckpt" / "b.safetensors")
+    _write_index(tmp_path / "ckpt", {"weight_map": weight_map})
+    error = refused(tmp_path / "ckpt", r"index .*model.safetensors.index.json puts '.*' in b.safetensors, which does not exist")
+    assert isinstance(error, FileNotFoundError) and error.filename.endswith("b.safetensors")
