@@ -51,7 +51,7 @@ def test_error_hierarchy():
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError",
+    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointReadError",
                  "DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
                  "DeviceUnavailableError", "ExternalTensorMutatedError",
                  "InferenceTensorInputError", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):

@@ -196,7 +196,7 @@ def read_header(f, size: int) -> tuple[int, list]:
         >>> head = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
         >>> blob = struct.pack("<Q", len(head)) + head + bytes(8)
         >>> read_header(io.BytesIO(blob), len(blob))[1]
-        [('w', torch.float32, (2,), 68)]
+        [('w', torch.float32, (2,), 69)]
     """
     if size < 8:
         raise HeaderError(f"{size} bytes, too short for the header's length")

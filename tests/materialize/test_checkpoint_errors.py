@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from deferinit import (
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CheckpointReadError,
     DeferredInitError,
     MaterializationError,
@@ -47,6 +48,7 @@ def ckpt(tmp_path):
 
 def test_hierarchy():
     assert issubclass(CheckpointMismatchError, CheckpointError)
+    assert issubclass(CheckpointNotFoundError, CheckpointError) and issubclass(CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(CheckpointError, DeferredInitError) and not issubclass(CheckpointError, MaterializationError)
     assert issubclass(CheckpointReadError, MaterializationError)
 
@@ -56,8 +58,9 @@ def test_hierarchy():
 
 def test_missing_path(tmp_path):
     m = deferred_init(build)
-    with pytest.raises(CheckpointError, match="no checkpoint at .*nothing.safetensors"):
+    with pytest.raises(CheckpointNotFoundError, match="no checkpoint at .*nothing.safetensors") as info:
         load_checkpoint(m, tmp_path / "nothing.safetensors")
+    assert isinstance(info.value, FileNotFoundError) and isinstance(info.value, CheckpointError)
     with pytest.raises(CheckpointError, match="holds no \\*.safetensors"):
         load_checkpoint(m, tmp_path)
 
