@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 
+import numpy
 import torch
 
 # Safetensors' own limit on the header's length.
@@ -111,15 +113,53 @@ def _check_tree(root) -> None:
             value.encode("utf-8")
 
 
+# JSON strings (to look at what lies outside them), escaped surrogates, "-0".
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_MINUS_ZERO = re.compile(rb"-0(?![0-9])")
+_ZEROS = bytes.maketrans(b"123456789", b"000000000")
+
+
+def _needs_care(raw: bytes, bare: bytes) -> bool:
+    """Whether the JSON ``raw`` (``bare``: its strings emptied) may hold what
+    Python's json reads and serde refuses or reads otherwise: an escaped
+    surrogate, NaN/Infinity, a number with an exponent or of 20 digits or more
+    (out of range?), "-0" (a float to serde)."""
+    if b"\\u" in raw and _SURROGATE.search(raw):
+        return True
+    if b"NaN" in bare or b"Infinity" in bare:
+        return True
+    letters = bare.replace(b"true", b"").replace(b"false", b"")
+    if b"e" in letters or b"E" in letters or b"0" * 20 in bare.translate(_ZEROS):
+        return True
+    return b"-0" in bare and _MINUS_ZERO.search(bare) is not None
+
+
+def _pairs(pairs):
+    d = dict(pairs)
+    return d if len(d) == len(pairs) else _Object(pairs)
+
+
+def _depth(bare: bytes) -> int:
+    """Deepest nesting of the JSON text ``bare`` (its strings removed)."""
+    chars = numpy.frombuffer(bare, dtype=numpy.uint8)
+    steps = numpy.isin(chars, (91, 123)).astype(numpy.int64) - numpy.isin(chars, (93, 125))
+    return int(numpy.cumsum(steps).max()) if len(steps) else 0
+
+
 def parse_json(raw: bytes):
     """The header's JSON, read as safetensors reads it."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HeaderError(f"not UTF-8 ({e.reason} at byte {e.start})") from None
+    bare = _STRINGS.sub(b'""', raw)
     try:
-        header = json.loads(text, object_pairs_hook=_Object, parse_int=_int, parse_float=_float, parse_constant=_constant)
-        _check_tree(header)
+        if _needs_care(raw, bare):
+            header = json.loads(text, object_pairs_hook=_Object, parse_int=_int, parse_float=_float, parse_constant=_constant)
+            _check_tree(header)
+        else:
+            header = json.loads(text, object_pairs_hook=_pairs)
     except HeaderError:
         raise
     except UnicodeEncodeError:
@@ -128,6 +168,8 @@ def parse_json(raw: bytes):
         raise HeaderError(f"JSON nested more than {_MAX_DEPTH - 1} levels deep") from None
     except ValueError as e:
         raise HeaderError(f"invalid JSON: {e}") from None
+    if _depth(bare) >= _MAX_DEPTH:
+        raise HeaderError(f"JSON nested more than {_MAX_DEPTH - 1} levels deep")
     return header
 
 
@@ -139,7 +181,7 @@ def _usize(value, what: str) -> int:
 
 def _dtype(value, key: str) -> str:
     if isinstance(value, dict):  # serde also reads an enum as {"NAME": null}
-        if len(value) != 1 or value.repeated or next(iter(value.values())) is not None:
+        if len(value) != 1 or getattr(value, 'repeated', ()) or next(iter(value.values())) is not None:
             raise HeaderError(f"{key!r} has dtype {json.dumps(value)[:60]}")
         value = next(iter(value))
     if not isinstance(value, str) or value not in FORMAT_BITS:
@@ -156,7 +198,7 @@ def _tensor(key: str, info) -> tuple:
         for field in _FIELDS:
             if field not in info:
                 raise HeaderError(f"{key!r} has no {field!r}")
-            if field in info.repeated:
+            if field in getattr(info, 'repeated', ()):
                 raise HeaderError(f"{key!r} has {field!r} twice")
         values = [info[f] for f in _FIELDS]
     else:
@@ -208,7 +250,7 @@ def read_header(f, size: int) -> tuple[int, list]:
     header = parse_json(f.read(n))
     if not isinstance(header, dict):
         raise HeaderError(f"the header is a JSON {type(header).__name__}, not an object")
-    if "__metadata__" in header.repeated:
+    if "__metadata__" in getattr(header, "repeated", ()):
         raise HeaderError("'__metadata__' is given twice")
     meta = header.get("__metadata__")
     if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
