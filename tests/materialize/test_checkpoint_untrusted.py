@@ -201,19 +201,26 @@ def test_second_tensor_bad_leaves_a_real_module_untouched(tmp_path):
 # -- torch.save archives ----------------------------------------------------------------
 
 
-def _rezip(src, dst, method=zipfile.ZIP_STORED, edit=lambda name, data: data):
+def _rezip(src, dst, method=zipfile.ZIP_STORED, edit=lambda name, data: data, zip64=False):
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", method) as zout:
         for info in zin.infolist():
-            zout.writestr(info.filename, edit(info.filename, zin.read(info)))
+            new = zipfile.ZipInfo(info.filename)
+            new.compress_type = method
+            with zout.open(new, "w", force_zip64=zip64) as member:
+                member.write(edit(info.filename, zin.read(info)))
 
 
-@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED], ids=["stored", "deflated"])
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, "zip64"], ids=["stored", "deflated", "zip64"])
 def test_an_archive_rezipped_by_a_zip_tool_loads_as_torch_load(tmp_path, method):
     sd = state_dict()
     big = torch.randn(4, 4)  # views sharing one storage, at offsets
     sd["0.weight"], sd["0.bias"] = big[:, 1:], big[:, 0]
     torch.save(sd, tmp_path / "model.pt")
-    _rezip(tmp_path / "model.pt", tmp_path / "rezipped.pt", method)
+    if method == "zip64":  # zip64 extra fields in every local header
+        _rezip(tmp_path / "model.pt", tmp_path / "rezipped.pt", zip64=True)
+    else:
+        _rezip(tmp_path / "model.pt", tmp_path / "rezipped.pt", method)
+        assert {i.compress_type for i in zipfile.ZipFile(tmp_path / "rezipped.pt").infolist()} == {method}
     reference = torch.load(tmp_path / "rezipped.pt", map_location="cpu", weights_only=True)
     loads_as(tmp_path / "rezipped.pt", reference)
 
