@@ -220,6 +220,7 @@ def _report(failures: list) -> str:
     return "\n".join(lines)
 
 
+@pytest.mark.timeout(4 * 3600 if PROFILE == "long" else 600)
 @pytest.mark.parametrize("group", ["safetensors", "torch", "index"])
 def test_mutants_load_as_the_reference_or_raise_checkpoint_error(group, tmp_path):
     seeds = make_seeds(str(tmp_path / "seeds"))
