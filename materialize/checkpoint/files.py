@@ -16,7 +16,6 @@ at least that its header still says the same about every tensor.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 

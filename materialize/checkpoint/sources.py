@@ -18,7 +18,6 @@ A path that does not exist raises :class:`CheckpointNotFoundError`, also a
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Mapping
 
