@@ -98,6 +98,7 @@ class Archive:
         # counts its entries; zipfile forgives both.
         if not end or self.zip.start_dir != end[zipfile._ECD_OFFSET]:
             raise ArchiveError("its central directory is not where the end record says")
+        self._check_zip64_locator(end[zipfile._ECD_LOCATION])
         disks = (end[zipfile._ECD_DISK_NUMBER], end[zipfile._ECD_DISK_START])
         if disks not in ((0, 0), (1, 1)) or not end[zipfile._ECD_ENTRIES_THIS_DISK] == end[zipfile._ECD_ENTRIES_TOTAL] == len(infos):
             raise ArchiveError("its end record does not count the central directory's entries (or spans disks)")
@@ -113,6 +114,22 @@ class Archive:
                 raise ArchiveError(f"member {info.orig_filename!r} has {info.compress_size} bytes for {info.file_size}")
             if info.header_offset + 30 + info.compress_size > self.size:
                 raise ArchiveError(f"member {info.orig_filename!r} reaches past the end of the file")
+
+    def _check_zip64_locator(self, at: int) -> None:
+        # zipfile reads the zip64 end record just before the locator, miniz
+        # where the locator points (and wants one disk): they must agree.
+        if at < 20:
+            return
+        self.f.seek(at - 20)
+        sig, disk, offset, disks = struct.unpack("<4sLQL", self.f.read(20))
+        if sig != b"PK\x06\x07":
+            return
+        if at < 76 or offset != at - 76 or disk != 0 or disks != 1:
+            raise ArchiveError("its zip64 end-record locator does not point at the zip64 end record")
+        self.f.seek(offset)
+        sig, size = struct.unpack("<4sQ", self.f.read(12))
+        if sig != b"PK\x06\x06" or size < 44:
+            raise ArchiveError("its zip64 end record is damaged")
 
     def _check_version(self) -> None:
         info = self.get(".data/version") or self.get("version")
