@@ -42,15 +42,36 @@ def rezip(names, records: dict, method: int = zipfile.ZIP_STORED) -> bytes:
     return buffer.getvalue()
 
 
+def _zip64_extra(extra: bytes, sizes: list) -> list:
+    """``[size, compressed size, local header offset]`` with the zip64 extra field's values."""
+    at = 0
+    while at + 4 <= len(extra):
+        tag, n = struct.unpack("<2H", extra[at:at + 4])
+        if tag == 1:
+            values, field = list(sizes), extra[at + 4:at + 4 + n]
+            for i in range(3):
+                if values[i] == 0xFFFFFFFF and len(field) >= 8:
+                    values[i], field = struct.unpack("<Q", field[:8])[0], field[8:]
+            return values
+        at += 4 + n
+    return sizes
+
+
 def entries(blob: bytes):
     """``(offset of its central-directory entry, name, local header offset, flags, method, size)`` per member."""
     end = blob.rindex(b"PK\x05\x06")
     count, _, start = struct.unpack("<H2L", blob[end + 10:end + 20])
+    if (count == 0xFFFF or start == 0xFFFFFFFF) and blob[end - 20:end - 16] == b"PK\x06\x07":
+        record = struct.unpack("<Q", blob[end - 12:end - 4])[0]
+        count, start = struct.unpack("<Q8xQ", blob[record + 32:record + 56])
     out, at = [], start
     for _ in range(count):
         fields = _CD.unpack(blob[at:at + _CD.size])
-        n, m, k = fields[10], fields[11], fields[12]
-        out.append((at, blob[at + 46:at + 46 + n], fields[17], fields[6], fields[7], fields[9]))
+        if fields[0] != b"PK\x01\x02":
+            raise ValueError(f"no central-directory entry at {at}")
+        n, m, k = fields[12], fields[13], fields[14]
+        size, _, local = _zip64_extra(blob[at + 46 + n:at + 46 + n + m], [fields[11], fields[10], fields[18]])
+        out.append((at, blob[at + 46:at + 46 + n], local, fields[5], fields[6], size))
         at += 46 + n + m + k
     return out
 

@@ -98,12 +98,22 @@ class Archive:
         # counts its entries; zipfile forgives both.
         if not end or self.zip.start_dir != end[zipfile._ECD_OFFSET]:
             raise ArchiveError("its central directory is not where the end record says")
-        self._check_zip64_locator(end[zipfile._ECD_LOCATION])
+        fields = (zipfile._ECD_DISK_NUMBER, zipfile._ECD_DISK_START, zipfile._ECD_ENTRIES_THIS_DISK,
+                  zipfile._ECD_ENTRIES_TOTAL, zipfile._ECD_SIZE, zipfile._ECD_OFFSET)
+        if self._miniz_end(end[zipfile._ECD_LOCATION]) != tuple(end[i] for i in fields):
+            raise ArchiveError("its end record and zip64 end record disagree")
         disks = (end[zipfile._ECD_DISK_NUMBER], end[zipfile._ECD_DISK_START])
         if disks not in ((0, 0), (1, 1)) or not end[zipfile._ECD_ENTRIES_THIS_DISK] == end[zipfile._ECD_ENTRIES_TOTAL] == len(infos):
             raise ArchiveError("its end record does not count the central directory's entries (or spans disks)")
-        if end[zipfile._ECD_SIZE] < 46 * len(infos):
-            raise ArchiveError("its central directory is shorter than its entries")
+        # miniz walks the entries by their declared lengths; zipfile reads past
+        # a short directory's end quietly.
+        self.f.seek(self.zip.start_dir)
+        directory, at = self.f.read(end[zipfile._ECD_SIZE]), 0
+        for _ in infos:
+            n, m, k = struct.unpack("<3H", directory[at + 28:at + 34]) if len(directory) >= at + 46 else (0, 0, 0)
+            if len(directory) < at + 46 or directory[at:at + 4] != b"PK\x01\x02" or at + 46 + n + m + k > len(directory):
+                raise ArchiveError("its central directory is shorter than its entries")
+            at += 46 + n + m + k
         for info in infos:
             if info.flag_bits & (_ENCRYPTED | _STRONG | _MASKED):
                 raise ArchiveError(f"member {info.orig_filename!r} is encrypted")
@@ -115,21 +125,29 @@ class Archive:
             if info.header_offset + 30 + info.compress_size > self.size:
                 raise ArchiveError(f"member {info.orig_filename!r} reaches past the end of the file")
 
-    def _check_zip64_locator(self, at: int) -> None:
-        # zipfile reads the zip64 end record just before the locator, miniz
-        # where the locator points (and wants one disk): they must agree.
-        if at < 20:
-            return
+    def _miniz_end(self, at: int) -> tuple:
+        """(disk, directory disk, entries here, entries, directory size, directory
+        offset) as miniz reads them: from the zip64 end record where the locator
+        before the end record at ``at`` points, if there is one, else from the end
+        record (zipfile reads the zip64 record just before the locator instead)."""
+        self.f.seek(at)
+        values = struct.unpack("<4x4H2L", self.f.read(20))
+        if at < 76:
+            return values
         self.f.seek(at - 20)
-        sig, disk, offset, disks = struct.unpack("<4sLQL", self.f.read(20))
+        sig, _, offset, disks = struct.unpack("<4sLQL", self.f.read(20))
         if sig != b"PK\x06\x07":
-            return
-        if at < 76 or offset != at - 76 or disk != 0 or disks != 1:
-            raise ArchiveError("its zip64 end-record locator does not point at the zip64 end record")
+            return values
+        if disks != 1 or offset > self.size - 56:
+            raise ArchiveError("its zip64 end-record locator is damaged (or the archive spans disks)")
         self.f.seek(offset)
-        sig, size = struct.unpack("<4sQ", self.f.read(12))
-        if sig != b"PK\x06\x06" or size < 44:
+        record = self.f.read(56)
+        if record[:4] != b"PK\x06\x06":
+            return values
+        size, disk, cd_disk, here, total, cd_size, cd_offset = struct.unpack("<Q4x2L4Q", record[4:56])
+        if size < 44 or max(here, total, cd_size) > 0xFFFFFFFF:
             raise ArchiveError("its zip64 end record is damaged")
+        return (disk, cd_disk, here, total, cd_size, cd_offset)
 
     def _check_version(self) -> None:
         info = self.get(".data/version") or self.get("version")

@@ -288,3 +288,57 @@ def test_an_index_naming_a_missing_file_raises_file_not_found(tmp_path):
     _write_index(tmp_path / "ckpt", {"weight_map": weight_map})
     error = refused(tmp_path / "ckpt", r"index .*model.safetensors.index.json puts '.*' in b.safetensors, which does not exist")
     assert isinstance(error, FileNotFoundError) and error.filename.endswith("b.safetensors")
+
+
+# -- zip structures torch.load's reader refuses or reads otherwise (found by the fuzzer) --
+
+
+def _patched(path, how):
+    """A torch.save archive with one structure changed as ``how`` says."""
+    from checkpoint_zip import entries
+
+    blob = bytearray(path.read_bytes())
+    members = {name.decode(): (cd, local) for cd, name, local, *_ in entries(bytes(blob))}
+    if how in ("zip64 locator past the end", "zip64 locator astray"):
+        # miniz follows the pointer (past the end: refused; elsewhere: it reads the
+        # plain end record instead), zipfile reads the zip64 record before the locator
+        at = blob.rindex(b"PK\x06\x07") + 8
+        offset = len(blob) if how.endswith("end") else int.from_bytes(blob[at:at + 8], "little") - 8
+        blob[at:at + 8] = offset.to_bytes(8, "little")
+    elif how == "directory offset":  # zipfile finds the directory anyway, miniz does not
+        at = blob.rindex(b"PK\x06\x06") + 48
+        blob[at:at + 8] = (int.from_bytes(blob[at:at + 8], "little") - 1).to_bytes(8, "little")
+    elif how == "directory attribute":  # miniz reads nothing for a directory
+        cd = next(cd for name, (cd, _) in members.items() if name.endswith(".storage_alignment"))
+        blob[cd + 38] |= 0x10
+    elif how == "name not UTF-8":
+        cd = next(cd for name, (cd, _) in members.items() if name.endswith("version"))
+        blob[cd + 46 + 2] = 0xFF
+    return bytes(blob)
+
+
+@pytest.mark.parametrize("how", ["zip64 locator past the end", "directory offset", "directory attribute", "name not UTF-8"])
+def test_zip_structures_torch_load_refuses_are_refused(tmp_path, how):
+    torch.save(state_dict(), tmp_path / "model.pt")
+    (tmp_path / "bad.pt").write_bytes(_patched(tmp_path / "model.pt", how))
+    if how != "directory attribute":  # there torch.load reads uninitialised memory instead
+        with pytest.raises(Exception):
+            torch.load(tmp_path / "bad.pt", map_location="cpu", weights_only=True)
+    refused(tmp_path / "bad.pt", "bad.pt is not a torch.save archive that torch.load\\(weights_only=True\\) reads")
+
+
+def test_a_zip64_locator_astray_with_a_plain_end_record_loads_as_torch_load(tmp_path):
+    sd = state_dict()
+    torch.save(sd, tmp_path / "model.pt")
+    (tmp_path / "astray.pt").write_bytes(_patched(tmp_path / "model.pt", "zip64 locator astray"))
+    loads_as(tmp_path / "astray.pt", torch.load(tmp_path / "astray.pt", map_location="cpu", weights_only=True))
+
+
+def test_members_named_alike_but_for_case_are_refused(tmp_path):
+    torch.save(state_dict(), tmp_path / "model.pt")
+    with zipfile.ZipFile(tmp_path / "model.pt") as zin, zipfile.ZipFile(tmp_path / "bad.pt", "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info))
+            if info.filename.endswith("data/0"):  # which of the two torch.load reads is not defined
+                zout.writestr(info.filename.replace("data/0", "DATA/0"), bytes(len(zin.read(info))))
+    refused(tmp_path / "bad.pt", "members .*data/0.* and .*DATA/0.* differ only by case")
