@@ -135,7 +135,12 @@ def _directory(path: str) -> dict:
                         f"the index {index} puts {key!r} in {name}, which does not exist ({os.path.abspath(where)}).",
                         os.path.abspath(where),
                     )
-                file = files[name] = open_file(where)
+                try:
+                    file = files[name] = open_file(where)
+                except CheckpointNotFoundError:
+                    raise
+                except CheckpointError as e:
+                    raise CheckpointError(f"{e} (the index {index} names it for {key!r})") from None
             entry = file.get(key)
             if entry is None:
                 raise CheckpointError(f"{index} puts {key!r} in {name}, which has no such tensor.")

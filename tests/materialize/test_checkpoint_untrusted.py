@@ -342,3 +342,12 @@ def test_members_named_alike_but_for_case_are_refused(tmp_path):
             if info.filename.endswith("data/0"):  # which of the two torch.load reads is not defined
                 zout.writestr(info.filename.replace("data/0", "DATA/0"), bytes(len(zin.read(info))))
     refused(tmp_path / "bad.pt", "members .*data/0.* and .*DATA/0.* differ only by case")
+
+
+def test_a_corrupt_shard_is_named_with_the_index_and_key(tmp_path):
+    sd, weight_map = _sharded(tmp_path / "ckpt")
+    _write_index(tmp_path / "ckpt", {"weight_map": weight_map})
+    with open(tmp_path / "ckpt" / "b.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp_path / "ckpt" / "b.safetensors") - 1)
+    key = next(k for k, v in weight_map.items() if v == "b.safetensors")
+    refused(tmp_path / "ckpt", rf"b.safetensors is not a valid safetensors file: it is truncated.* \(the index .*model.safetensors.index.json names it for {key!r}\)")
