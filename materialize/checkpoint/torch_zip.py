@@ -186,24 +186,30 @@ class Archive:
                 raise ArchiveError(f"it has no {name} record")
         try:
             with self._open(info) as member:
-                return member.read()
+                data = member.read()
         except ArchiveError:
             raise
         except Exception as e:  # noqa: BLE001
             raise ArchiveError(f"member {info.orig_filename!r} cannot be read ({type(e).__name__}: {e})") from None
+        if len(data) != info.file_size:  # zipfile stops where the deflate stream ends, miniz checks
+            raise ArchiveError(f"member {info.orig_filename!r} inflates to {len(data)} bytes, not {info.file_size}")
+        return data
 
     def position(self, info: zipfile.ZipInfo) -> int:
         """Where a stored record's bytes begin (after its local header), checked
         to lie in the file; a deflated record is decompressed once to check it."""
         if info.compress_type != zipfile.ZIP_STORED:
+            done = 0
             try:
                 with self._open(info) as member:
-                    while member.read(1 << 24):
-                        pass
+                    while chunk := member.read(1 << 24):
+                        done += len(chunk)
             except ArchiveError:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise ArchiveError(f"member {info.orig_filename!r} cannot be read ({type(e).__name__}: {e})") from None
+            if done != info.file_size:
+                raise ArchiveError(f"member {info.orig_filename!r} inflates to {done} bytes, not {info.file_size}")
             return 0
         self._open(info).close()  # its local header: signature and name
         self.f.seek(info.header_offset)

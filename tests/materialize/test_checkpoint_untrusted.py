@@ -351,3 +351,18 @@ def test_a_corrupt_shard_is_named_with_the_index_and_key(tmp_path):
         f.truncate(os.path.getsize(tmp_path / "ckpt" / "b.safetensors") - 1)
     key = next(k for k, v in weight_map.items() if v == "b.safetensors")
     refused(tmp_path / "ckpt", rf"b.safetensors is not a valid safetensors file: it is truncated.* \(the index .*model.safetensors.index.json names it for {key!r}\)")
+
+
+def test_a_deflated_record_shorter_than_its_directory_entry_says_is_refused(tmp_path):
+    """zipfile stops where the deflate stream ends; torch.load's reader wants the size."""
+    from checkpoint_zip import entries
+
+    torch.save(state_dict(), tmp_path / "model.pt")
+    _rezip(tmp_path / "model.pt", tmp_path / "deflated.pt", zipfile.ZIP_DEFLATED)
+    blob = bytearray((tmp_path / "deflated.pt").read_bytes())
+    cd = next(cd for cd, name, *_ in entries(bytes(blob)) if name.endswith(b".storage_alignment"))
+    blob[cd + 24] += 4  # its size: 2 -> 6
+    (tmp_path / "bad.pt").write_bytes(bytes(blob))
+    with pytest.raises(RuntimeError, match="unexpected decompressed size"):
+        torch.load(tmp_path / "bad.pt", map_location="cpu", weights_only=True)
+    refused(tmp_path / "bad.pt", "storage_alignment' inflates to 2 bytes, not 6")
