@@ -51,6 +51,10 @@ MODULES = [
     "materialize.checkpoint.loading",
     "materialize.checkpoint.matching",
     "materialize.checkpoint.sources",
+    "materialize.checkpoint.index",
+    "materialize.checkpoint.safetensors_header",
+    "materialize.checkpoint.torch_zip",
+    "materialize.checkpoint.torch_pickle",
 ]
 
 

@@ -52,7 +52,7 @@ def test_error_hierarchy():
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError",
+    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointReadError",
                  "DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
                  "DeviceUnavailableError", "ExternalTensorMutatedError",
                  "InferenceTensorInputError", "PendingDrawsWarning", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
