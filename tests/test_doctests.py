@@ -47,6 +47,7 @@ MODULES = [
     "materialize.checkpoint.loading",
     "materialize.checkpoint.matching",
     "materialize.checkpoint.sources",
+    "materialize.checkpoint.undo",
 ]
 
 

@@ -176,6 +176,10 @@ class MemorySource:
     def _memory(self):
         return self.storage if self.storage is not None else self.tensor.untyped_storage()
 
+    def memory_key(self) -> tuple:
+        """What identifies the memory read, as :func:`~.capture.storage_key` does."""
+        return (self.tensor.device.type, self._memory()._cdata)
+
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> None:
         t = self.tensor
         with torch.no_grad():

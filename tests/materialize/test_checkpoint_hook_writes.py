@@ -1,0 +1,228 @@
+"""Hooks and ``_load_from_state_dict`` overrides that write during ``load_checkpoint``'s
+walk by other means than a ``copy_`` of a whole module tensor: writes into a
+slice, ``fill_``, ``add_``, ``.data =``, and writes into a tensor a load was
+copied from.  The reference: eager ``load_state_dict`` of the same state dict
+on the same module built under the same seed; and, for a call that fails, the
+module as it was before the call (values, and a deferred record that still
+materializes to eager construction).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from deferinit import CheckpointMismatchError, deferred_init
+from helpers import assert_same_tensors, named_tensors
+from materialize import load_checkpoint, materialize_module
+
+MODES = ["real", "deferred"]
+
+
+def build_in(mode, cls):
+    torch.manual_seed(0)
+    return cls() if mode == "real" else deferred_init(cls)
+
+
+def eager(cls, sd, strict=True):
+    torch.manual_seed(0)
+    m = cls()
+    return m, m.load_state_dict(dict(sd), strict=strict)
+
+
+def snapshot(m) -> dict:
+    return {k: v.detach().clone() for k, v in named_tensors(m).items()}
+
+
+class SliceCopy(nn.Module):
+    """A converter override: the checkpoint's ``top`` goes into half of ``w``."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 2))
+        self.l = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "top" in state_dict:
+            with torch.no_grad():
+                self.w[:3].copy_(state_dict.pop(prefix + "top"))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class Filled(nn.Module):
+    """An override that writes a module tensor without reading the checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+        self.l = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        with torch.no_grad():
+            self.w.add_(1.0)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class DataAssigned(nn.Module):
+    """An override that points a parameter at the checkpoint's tensor (``.data =``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+        self.l = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "w" in state_dict:
+            self.w.data = state_dict.pop(prefix + "w")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+WRONG = {"l.weight": torch.ones(3, 3), "l.bias": torch.ones(2)}  # a size mismatch
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls, extra", [(SliceCopy, {"top": torch.full((3, 2), 7.0)}), (Filled, {})])
+def test_a_failed_call_puts_back_what_a_hook_wrote(mode, cls, extra):
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        eager(cls, {**extra, **WRONG}, strict=False)  # eager writes w, then raises
+    m = build_in(mode, cls)
+    before = snapshot(m) if mode == "real" else None
+    with pytest.raises(CheckpointMismatchError, match="size mismatch"):
+        load_checkpoint(m, {**extra, **WRONG}, strict=False)
+    if mode == "real":
+        now = snapshot(m)
+        for k, v in before.items():
+            assert torch.equal(now[k], v), f"{k} changed by a failed call"
+    else:  # the record is as before the call: materialized, it is eager construction
+        torch.manual_seed(0)
+        reference = cls()
+        assert_same_tensors(reference, materialize_module(m))
+
+
+def test_a_failed_call_puts_back_a_tensor_a_hook_pointed_elsewhere():
+    m = build_in("real", DataAssigned)
+    before = snapshot(m)
+    with pytest.raises(CheckpointMismatchError, match="size mismatch"):
+        load_checkpoint(m, {"w": torch.ones(3), **WRONG}, strict=False)
+    now = snapshot(m)
+    for k, v in before.items():
+        assert torch.equal(now[k], v), f"{k} changed by a failed call"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cls, extra", [(SliceCopy, {"top": torch.full((3, 2), 7.0)}), (Filled, {})])
+def test_a_hook_that_writes_equals_eager(mode, cls, extra):
+    sd = {**extra, "l.weight": torch.full((2, 2), 3.0), "l.bias": torch.ones(2)}
+    e, result = eager(cls, sd, strict=False)  # w is missing: the hook wrote it
+    m = build_in(mode, cls)
+    assert load_checkpoint(m, dict(sd), strict=False) == tuple(result)
+    assert_same_tensors(e, materialize_module(m))
+
+
+class Scratch(nn.Module):
+    """A converter pre-hook: one scratch tensor reused for each layer's copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2, bias=False) for _ in range(3))
+        self._register_load_state_dict_pre_hook(self._convert)
+
+    def _convert(self, state_dict, prefix, *args):
+        stacked = state_dict.pop(prefix + "stacked", None)
+        if stacked is None:
+            return
+        scratch = torch.empty(2, 2)
+        for i, layer in enumerate(self.layers):
+            scratch.copy_(stacked[i])
+            with torch.no_grad():
+                layer.weight.copy_(scratch)
+
+
+class ScaledAfter(nn.Module):
+    """An override that copies the given tensor, then changes it in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        given = state_dict[prefix + "w"]
+        with torch.no_grad():
+            self.w.copy_(given)
+            given.mul_(10)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fmt", ["state_dict", "safetensors"])
+def test_a_tensor_written_after_a_load_copied_it_gives_the_values_it_had(mode, fmt, tmp_path):
+    """Eager's copy_ reads its source at the call; so does the load."""
+    sd = {"stacked": torch.arange(12.0).reshape(3, 2, 2)}
+    e, result = eager(Scratch, sd, strict=False)
+    source = dict(sd)
+    if fmt == "safetensors":
+        source = str(tmp_path / "s.safetensors")
+        save_file(sd, source)
+    m = build_in(mode, Scratch)
+    assert load_checkpoint(m, source, strict=False) == tuple(result)
+    assert_same_tensors(e, materialize_module(m))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_dict_tensor_a_hook_changes_after_copying_it(mode):
+    e, _ = eager(ScaledAfter, {"w": torch.ones(3)})
+    given = torch.ones(3)
+    m = build_in(mode, ScaledAfter)
+    load_checkpoint(m, {"w": given})
+    assert torch.equal(given, torch.full((3,), 10.0))  # as eagerly: the hook's write is the user's
+    assert_same_tensors(e, materialize_module(m))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tensor_a_hook_loads_under_no_key_of_its_own_is_missing_as_eagerly(mode):
+    """Only ties are forgiven (a tied tensor under another of its names): a
+    tensor a hook loaded while its own key is absent is missing, as eagerly,
+    and strict=True refuses it as load_state_dict does."""
+    sd = {"stacked": torch.arange(12.0).reshape(3, 2, 2)}
+    with pytest.raises(RuntimeError, match="Missing key"):
+        eager(Scratch, sd)
+    _, result = eager(Scratch, sd, strict=False)
+    m = build_in(mode, Scratch)
+    assert load_checkpoint(m, dict(sd), strict=False) == tuple(result)
+    m = build_in(mode, Scratch)
+    with pytest.raises(CheckpointMismatchError, match="missing key"):
+        load_checkpoint(m, dict(sd))
+
+
+class ReadThenRepoint(nn.Module):
+    """A post-hook reads a loaded weight (so it is written during the walk), then
+    points it at a tensor of its own."""
+
+    def __init__(self, replacement):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.replacement = replacement
+        self.register_load_state_dict_post_hook(self._post)
+
+    @staticmethod
+    def _post(module, incompatible):
+        module.total = float(module.a.weight.detach().sum())
+        module.a.weight.data = module.replacement
+
+
+def test_a_failed_call_puts_back_a_loaded_tensor_a_hook_then_pointed_elsewhere():
+    replacement = torch.zeros(2, 2)
+    torch.manual_seed(0)
+    m = ReadThenRepoint(replacement)
+    memory = m.a.weight.untyped_storage()._cdata
+    before = snapshot(m)
+    sd = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2), "stray": torch.ones(1)}
+    with pytest.raises(CheckpointMismatchError, match="'stray'"):
+        load_checkpoint(m, sd)
+    assert m.total == 4.0  # the hook saw the loaded values, as eagerly
+    now = snapshot(m)
+    for k, v in before.items():
+        assert torch.equal(now[k], v), f"{k} changed by a failed call"
+    assert m.a.weight.untyped_storage()._cdata == memory
+    assert torch.equal(replacement, torch.zeros(2, 2))  # the hook's own tensor is not written
