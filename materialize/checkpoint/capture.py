@@ -123,6 +123,11 @@ class StandIns:
         self._roots[storage_key(base)] = _Root(entry, base)
         return t
 
+    @property
+    def files(self) -> bool:
+        """Whether any stand-in is a file's tensor (a meta tensor)."""
+        return bool(self._roots)
+
     def root(self, t):
         if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_meta:
             return self._roots.get(storage_key(t))
@@ -317,22 +322,34 @@ def walk(module: torch.nn.Module, state_dict: dict, metadata, capture: Capture):
     try:
         with capture:
             result = module.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
+    except Exception as e:
         if capture.refused:
             raise capture.refused[0] from None
         text = str(e)
-        if not text.startswith(_ERRORS):
-            raise
-        return [], [], text.split("\n\t")[1:]
+        if isinstance(e, RuntimeError) and text.startswith(_ERRORS):
+            return [], [], text.split("\n\t")[1:]
+        if capture.standins.files and not isinstance(e, CheckpointError):
+            e.add_note(
+                f"load_checkpoint ran {type(module).__name__}.load_state_dict with a file's tensors standing in "
+                "as meta tensors (nothing read yet): code that needs their values outside PyTorch's operators "
+                "(.numpy(), .data_ptr()) or checks their device fails on them. Pass the file's state dict "
+                "instead: load_checkpoint(module, safetensors.torch.load_file(path)). Nothing was loaded."
+            )
+        raise
     if capture.refused:
         raise capture.refused[0]
     return list(result.missing_keys), list(result.unexpected_keys), []
 
 
 def leaked(module: torch.nn.Module, standins: StandIns) -> str | None:
-    """The name of a module tensor that is a stand-in itself (a hook assigned the
-    checkpoint's tensor instead of copying it), if any."""
+    """The name of a module tensor or tensor attribute that is a stand-in itself
+    (a hook kept the checkpoint's tensor instead of copying it), if any."""
     for name, t in itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         if t is not None and standins.owns(t):
             return name
+    if standins.files:
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for attr, value in vars(sub).items():
+                if isinstance(value, torch.Tensor) and standins.owns(value):
+                    return f"{prefix}.{attr}" if prefix else attr
     return None

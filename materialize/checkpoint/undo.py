@@ -82,9 +82,10 @@ class Guard:
 
 class ModuleState:
     """What the walk may change besides values, put back when the call fails: the
-    parameter and buffer slots of every module, the memory each real tensor is
-    on (a hook's ``param.data = t``), and lazy placeholders, which the lazy
-    modules' pre-hook turns into tensors of the checkpoint's shapes.
+    parameter and buffer slots of every module, its plain tensor attributes,
+    the memory each real tensor is on (a hook's ``param.data = t``), and lazy
+    placeholders, which the lazy modules' pre-hook turns into tensors of the
+    checkpoint's shapes.
 
     Example::
 
@@ -98,6 +99,7 @@ class ModuleState:
 
     def __init__(self, module: torch.nn.Module):
         self.slots = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+        self.attributes = [(m, dict(vars(m))) for m in module.modules()]
         self.lazy = []
         self.memory = []
         for _, params, buffers in self.slots:
@@ -119,6 +121,13 @@ class ModuleState:
         for t, data in self.memory:
             if storage_key(t) != storage_key(data) or geometry(t) != geometry(data):
                 t.data = data
+        for m, saved in self.attributes:
+            for name, value in list(vars(m).items()):
+                if isinstance(value, torch.Tensor) and saved.get(name) is not value:
+                    if name in saved:
+                        setattr(m, name, saved[name])
+                    else:
+                        delattr(m, name)
         for m, params, buffers in self.slots:
             for slots, saved in ((m._parameters, params), (m._buffers, buffers)):
                 if slots.keys() != saved.keys() or any(slots[k] is not v for k, v in saved.items()):

@@ -226,3 +226,74 @@ def test_a_failed_call_puts_back_a_loaded_tensor_a_hook_then_pointed_elsewhere()
         assert torch.equal(now[k], v), f"{k} changed by a failed call"
     assert m.a.weight.untyped_storage()._cdata == memory
     assert torch.equal(replacement, torch.zeros(2, 2))  # the hook's own tensor is not written
+
+
+# -- file tensors stand in as meta tensors during the walk --------------------------
+
+
+class KeepsExtra(nn.Module):
+    """A pre-hook that keeps a checkpoint tensor as a plain attribute."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 2)
+        self.extra = None
+        self._register_load_state_dict_pre_hook(self._keep)
+
+    def _keep(self, state_dict, prefix, *args):
+        self.extra = state_dict.pop(prefix + "extra", None)
+
+
+class ViaNumpy(nn.Module):
+    """A pre-hook that converts through NumPy (reads values outside dispatch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(2, 2)
+        self._register_load_state_dict_pre_hook(self._flip)
+
+    def _flip(self, state_dict, prefix, *args):
+        w = state_dict[prefix + "l.weight"].numpy()
+        state_dict[prefix + "l.weight"] = torch.from_numpy(w[::-1].copy())
+
+
+SD = {"l.weight": torch.arange(4.0).reshape(2, 2), "l.bias": torch.ones(2)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_file_tensor_a_hook_keeps_as_an_attribute_is_refused_and_put_back(mode, tmp_path):
+    from deferinit import CheckpointError
+
+    sd = {**SD, "extra": torch.full((3,), 5.0)}
+    path = str(tmp_path / "k.safetensors")
+    save_file(sd, path)
+    m = build_in(mode, KeepsExtra)
+    with pytest.raises(CheckpointError, match="extra.*load_file"):
+        load_checkpoint(m, path)
+    assert m.extra is None
+    # A state dict's tensor can be kept, as eagerly.
+    e, result = eager(KeepsExtra, sd)
+    m = build_in(mode, KeepsExtra)
+    assert load_checkpoint(m, dict(sd)) == tuple(result)
+    assert torch.equal(m.extra, e.extra)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hook_that_needs_real_file_tensors_says_how_to_load(mode, tmp_path):
+    """Eager loads it; a file's stand-in has no values outside dispatch (.numpy()):
+    the hook's own error stays (its type too) with a note naming the fix."""
+    path = str(tmp_path / "n.safetensors")
+    save_file(SD, path)
+    e, result = eager(ViaNumpy, SD)
+    m = build_in(mode, ViaNumpy)
+    before = snapshot(m) if mode == "real" else None
+    with pytest.raises(TypeError) as info:
+        load_checkpoint(m, path)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "ViaNumpy" in notes and "load_file" in notes and "meta" in notes
+    if mode == "real":
+        assert all(torch.equal(snapshot(m)[k], v) for k, v in before.items())
+    from safetensors.torch import load_file
+
+    assert load_checkpoint(m, load_file(path)) == tuple(result)
+    assert_same_tensors(e, materialize_module(m))
