@@ -246,8 +246,16 @@ class Loader:
     def _write_now(self, loads) -> None:
         for load in loads:
             load.stage()
+            self._snapshot_readers(storage_key(load.target))
             load.commit(keep_old=True)
             self.done.append(load)
+
+    def _snapshot_readers(self, key) -> None:
+        """The deferred loads that read the memory ``key`` names, read now: it is
+        about to be written (they were copied before, and read it as it was)."""
+        for load in self.done:
+            if isinstance(load, Load) and load.deferred and load.reads(key):
+                load.snapshot()
 
     def guard(self, tensor: torch.Tensor) -> None:
         """``tensor`` (one of the module's) is about to be written in place by the
@@ -264,9 +272,7 @@ class Loader:
             return
         for target in [k for k, group in self.pending.items() if any(load.reads(key) for load in group)]:
             self._write_now(self.pending.pop(target))
-        for load in self.done:
-            if isinstance(load, Load) and load.deferred and load.reads(key):
-                load.snapshot()
+        self._snapshot_readers(key)
 
     def finish(self) -> None:
         """Stage every pending load, then write them all: no write before every read succeeded."""
@@ -277,6 +283,7 @@ class Loader:
         for load in loads:
             load.stage()
         for load in loads:
+            self._snapshot_readers(storage_key(load.target))
             load.commit()
         self.pending.clear()
         self.done.extend(loads)

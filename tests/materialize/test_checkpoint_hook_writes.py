@@ -297,3 +297,23 @@ def test_a_hook_that_needs_real_file_tensors_says_how_to_load(mode, tmp_path):
 
     assert load_checkpoint(m, load_file(path)) == tuple(result)
     assert_same_tensors(e, materialize_module(m))
+
+
+class BThenA(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Linear(3, 3)
+        self.a = nn.Linear(3, 3)
+
+
+def test_a_deferred_load_from_a_real_tensor_the_same_call_loads_later_reads_it_as_it_was():
+    """Partly materialized: b (deferred) copies a's real weight, then a (real) is
+    loaded; eagerly b got a's old values (the walk copies b first)."""
+    torch.manual_seed(0)
+    e = BThenA()
+    e.load_state_dict({"b.weight": e.a.weight.detach(), "a.weight": torch.ones(3, 3)}, strict=False)
+    m = build_in("deferred", BThenA)
+    materialize_module(m.a)
+    assert load_checkpoint(m, {"b.weight": m.a.weight.detach(), "a.weight": torch.ones(3, 3)}, strict=False) == (
+        ["b.bias", "a.bias"], [])
+    assert_same_tensors(e, materialize_module(m))
