@@ -213,6 +213,10 @@ class Recorder(FakeHandler):
             )
         node = Node("external", None, payload=t)
         node.version = t._version
+        try:
+            node.memory = (t.untyped_storage(), t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        except (RuntimeError, NotImplementedError):
+            pass  # no strided storage (a sparse tensor): read as it is
         storage = Storage()
         return Value(node, 0, meta_twin(t), storage, t.device), storage
 

@@ -157,3 +157,31 @@ def test_assign_true_keeps_working():
     # Every draw went into a tensor the state dict replaced: none is replayed,
     # the generator stays where deferral left it (as after a full load).
     assert torch.equal(torch.rand(8), untouched_next())
+
+
+def test_a_state_dict_tensor_given_other_memory_afterwards_changes_nothing():
+    """``sd[k].data = other`` after ``model.load_state_dict(sd)``: eager copied the
+    old values at the call; the recorded copy reads the memory it was given."""
+    sd = checkpoint_of(MLP)
+    eager, _ = reference(MLP, sd)
+    torch.manual_seed(0)
+    m = deferred_init(MLP)
+    m.load_state_dict(sd)
+    for t in sd.values():
+        t.data = torch.zeros_like(t)
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+
+
+def test_an_outside_tensor_given_other_memory_after_deferral_changes_nothing():
+    class Scaled(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = nn.Parameter(w * 2)
+
+    w = torch.arange(4.0)
+    eager = Scaled(w)
+    m = deferred_init(Scaled, w)
+    w.data = torch.zeros(4)
+    materialize_module(m)
+    assert_same_tensors(eager, m)
