@@ -76,7 +76,7 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
                 "was loaded or recorded."
             )
         result = result_of(
-            module, missing, unexpected, errors, strict=strict, source=what, mapped=mapped, prefix=prefix
+            module, missing, unexpected, errors, strict=strict, source=what, mapped=mapped, prefix=prefix, keys=list(entries)
         )
         loader.finish()
     except BaseException:

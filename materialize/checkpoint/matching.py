@@ -114,9 +114,10 @@ def map_metadata(metadata, *, prefix: str = "", rename=None):
     return out
 
 
-def result_of(module, missing, unexpected, errors, *, strict: bool, source: str, mapped, prefix: str = "") -> LoadResult:
+def result_of(module, missing, unexpected, errors, *, strict: bool, source: str, mapped, prefix: str = "", keys=()) -> LoadResult:
     """The call's :class:`LoadResult`, or :class:`CheckpointMismatchError` for
-    ``errors`` (size mismatches...), or missing/unexpected keys when ``strict``."""
+    ``errors`` (size mismatches...), or missing/unexpected keys when ``strict``
+    (``keys``: the checkpoint's keys before ``prefix``, for the hint)."""
     tensors = dict(module_keys(module))
     missing = forgive_ties(missing, tensors)
     problems = []
@@ -128,6 +129,11 @@ def result_of(module, missing, unexpected, errors, *, strict: bool, source: str,
         problems.append(f"{_count(unexpected, 'unexpected key')}: " + shorten([repr(k) for k in unexpected]))
     if problems:
         hint = prefix_hint(missing, unexpected, set(tensors), set(mapped), prefix)
+        if prefix and not mapped and keys:
+            # The prefix took every key away: what would the keys themselves need?
+            hint = f" prefix={prefix!r} matches none of the checkpoint's {len(keys)} keys." + (
+                prefix_hint(missing, list(keys), set(tensors), set(keys)) or f" Its keys: {shorten([repr(k) for k in keys], shown=3)}."
+            )
         if not hint and not errors:
             hint = " Pass strict=False to load the keys that match, or prefix=/rename= to map names."
         raise CheckpointMismatchError(
