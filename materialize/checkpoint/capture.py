@@ -197,14 +197,14 @@ class Targets:
                 return candidate
         return None
 
-    def owner(self, t):
-        """The module tensor whose memory ``t`` is on (any view of it), or None."""
-        found = self._by_id.get(id(t))
-        if found is not None:
-            return found
+    def owners(self, t) -> list:
+        """The module tensors on the memory ``t`` is on (``t`` itself, its views, or
+        every tensor packed in the same memory)."""
         key = storage_key(t._local_tensor if is_dtensor(t) else t)
-        owners = self._by_storage.get(key, ()) if key is not None else ()
-        return owners[0] if owners else None
+        found = list(self._by_storage.get(key, ())) if key is not None else []
+        if not found and id(t) in self._by_id:
+            found.append(self._by_id[id(t)])
+        return found
 
 
 class Capture(TorchDispatchMode):
@@ -269,8 +269,7 @@ class Capture(TorchDispatchMode):
             except CheckpointError as e:
                 self.refused.append(e)
                 raise
-            target = self.targets.owner(w)
-            if target is not None:
+            for target in self.targets.owners(w):
                 self.loader.guard(target)
 
     def _load(self, target, src) -> None:

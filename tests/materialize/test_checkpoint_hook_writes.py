@@ -317,3 +317,32 @@ def test_a_deferred_load_from_a_real_tensor_the_same_call_loads_later_reads_it_a
     assert load_checkpoint(m, {"b.weight": m.a.weight.detach(), "a.weight": torch.ones(3, 3)}, strict=False) == (
         ["b.bias", "a.bias"], [])
     assert_same_tensors(e, materialize_module(m))
+
+
+class Packed(nn.Module):
+    """Two parameters on one flat memory (as packing code lays them out); an
+    override writes the second one's elements through the flat memory."""
+
+    def __init__(self):
+        super().__init__()
+        flat = torch.randn(10)
+        self.a = nn.Parameter(flat[:4].view(2, 2))
+        self.b = nn.Parameter(flat[4:].view(3, 2))
+        self.l = nn.Linear(2, 2)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "flat_b" in state_dict:
+            flat = torch.empty(0).set_(self.b.untyped_storage())
+            with torch.no_grad():
+                flat[4:].copy_(state_dict.pop(prefix + "flat_b"))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_a_failed_call_puts_back_every_tensor_on_memory_a_hook_wrote():
+    m = build_in("real", Packed)
+    before = snapshot(m)
+    with pytest.raises(CheckpointMismatchError, match="size mismatch"):
+        load_checkpoint(m, {"flat_b": torch.full((6,), 9.0), **WRONG}, strict=False)
+    now = snapshot(m)
+    for k, v in before.items():
+        assert torch.equal(now[k], v), f"{k} changed by a failed call"
