@@ -164,11 +164,6 @@ class Load:
         else:
             self.node = record_load(self.target, self.entry)
 
-    def reads(self, key) -> bool:
-        """Whether the load reads the memory ``key`` (a :func:`storage_key`) names."""
-        source = self.entry.source
-        return isinstance(source, MemorySource) and source.memory_key() == key
-
     def snapshot(self) -> None:
         """Read the values now: the walk is about to write where they are."""
         values = self.entry.source.view(self.entry).clone()
@@ -223,15 +218,24 @@ class Loader:
         self.pending: dict = {}
         self.done: list = []
         self._guarded: set = set()
+        # Loads copied from tensors in memory, by the memory they read (see
+        # source_written): real ones still pending, deferred ones kept by reference.
+        self._readers: dict = {}
 
     def add(self, key: str, tensor: torch.Tensor, entry) -> None:
         load = Load(key, tensor, entry)
+        if isinstance(load.entry.source, MemorySource):
+            self._readers.setdefault(load.entry.source.memory_key(), []).append(load)
         if load.deferred:
             load.record()
             self.done.append(load)
             return
+        self.pending.setdefault(self._group(load), []).append(load)
+
+    @staticmethod
+    def _group(load) -> tuple:
         skey = storage_key(load.target)
-        self.pending.setdefault(skey if skey is not None else ("object", id(load.target)), []).append(load)
+        return skey if skey is not None else ("object", id(load.target))
 
     def flush(self, t) -> None:
         """Write the pending loads of ``t``'s memory now (the walk reads it)."""
@@ -253,9 +257,11 @@ class Loader:
     def _snapshot_readers(self, key) -> None:
         """The deferred loads that read the memory ``key`` names, read now: it is
         about to be written (they were copied before, and read it as it was)."""
-        for load in self.done:
-            if isinstance(load, Load) and load.deferred and load.reads(key):
-                load.snapshot()
+        readers = self._readers.get(key)
+        if readers:
+            for load in [load for load in readers if load.deferred]:
+                load.snapshot()  # from now on it reads a copy of its own
+                readers.remove(load)
 
     def guard(self, tensor: torch.Tensor) -> None:
         """``tensor`` (one of the module's) is about to be written in place by the
@@ -268,10 +274,11 @@ class Loader:
         """``t``'s memory is about to be written in place: the loads copied from it
         read it now, as eager's ``copy_`` read it at its call."""
         key = storage_key(t)
-        if key is None:
+        if key is None or not self._readers.get(key):
             return
-        for target in [k for k, group in self.pending.items() if any(load.reads(key) for load in group)]:
-            self._write_now(self.pending.pop(target))
+        for load in [load for load in self._readers[key] if not load.deferred]:
+            if load in self.pending.get(self._group(load), ()):  # not written yet
+                self._write_now(self.pending.pop(self._group(load)))
         self._snapshot_readers(key)
 
     def finish(self) -> None:
@@ -293,3 +300,4 @@ class Loader:
             load.undo()
         self.done.clear()
         self.pending.clear()
+        self._readers.clear()
