@@ -214,7 +214,7 @@ class Recorder(FakeHandler):
         node = Node("external", None, payload=t)
         node.version = t._version
         try:
-            node.memory = (t.untyped_storage(), t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            node.memory = (t.untyped_storage(), t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
         except (RuntimeError, NotImplementedError):
             pass  # no strided storage (a sparse tensor): read as it is
         storage = Storage()

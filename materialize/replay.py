@@ -365,9 +365,11 @@ def recorded_memory(node: Node) -> torch.Tensor:
     t = node.payload
     if node.memory is None:
         return t
-    storage, dtype, offset, shape, stride = node.memory
-    now = (t.untyped_storage()._cdata, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-    if now == (storage._cdata, dtype, offset, shape, stride):
+    storage, dtype, offset, shape, stride, conj, neg = node.memory
+    now = (t.untyped_storage()._cdata, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
+    if now == (storage._cdata, dtype, offset, shape, stride, conj, neg):
         return t
     with no_python_dispatch(), torch.no_grad():
-        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+        out = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+        out = out.conj() if conj else out
+        return torch._neg_view(out) if neg else out

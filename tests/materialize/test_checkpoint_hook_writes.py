@@ -346,3 +346,21 @@ def test_a_failed_call_puts_back_every_tensor_on_memory_a_hook_wrote():
     now = snapshot(m)
     for k, v in before.items():
         assert torch.equal(now[k], v), f"{k} changed by a failed call"
+
+
+class ComplexAndReal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+        self.r = nn.Parameter(torch.zeros(3))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_lazy_conjugate_and_negative_views_in_a_state_dict_load_their_values(mode):
+    """``z.conj()`` and ``torch._neg_view(x)`` are views whose values copy_ resolves."""
+    z = torch.tensor([1 + 2j, 3 - 1j, -2 + 0.5j], dtype=torch.complex64)
+    sd = {"w": z.conj(), "r": torch._neg_view(torch.arange(3.0))}
+    e, result = eager(ComplexAndReal, sd)
+    m = build_in(mode, ComplexAndReal)
+    assert load_checkpoint(m, dict(sd)) == tuple(result)
+    assert_same_tensors(e, materialize_module(m))
