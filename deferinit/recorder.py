@@ -24,6 +24,7 @@ from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
 from .outside import computes_plain
+from .plain import copied, dispatches_itself, holds_values
 from .grad import autograd_reads as _autograd_reads
 from .graph import Input, Node, Storage, Value
 from .record import current_record
@@ -203,6 +204,18 @@ class Recorder(FakeHandler):
         return Input(value, None)
 
     def _external_value(self, t: torch.Tensor, func=None):
+        if func is aten.copy_.default and (t.is_inference() or not holds_values(t)):
+            # copy_ reads its source at the call, eagerly: read it now, where a
+            # later change cannot be checked (no version counter) or replay
+            # could not read it (its memory is not its values; see plain.py).
+            t = copied(t)
+        elif dispatches_itself(t):
+            raise RecordingError(
+                f"{func or 'an operation'} {_in_or_after()} used a {type(t).__name__} {describe(t)} from "
+                f"outside, a tensor subclass with its own __torch_dispatch__{self.where()}: replay runs "
+                "PyTorch's kernels on plain memory and cannot run that dispatch. Pass a plain tensor of its "
+                "values (torch.empty(t.shape, dtype=t.dtype).copy_(t), or the library's own conversion)."
+            )
         if t.is_inference():
             raise InferenceTensorInputError(
                 f"{func or 'an operation'} {_in_or_after()} used an inference tensor "

@@ -29,6 +29,7 @@ MODULES = [
     "deferinit.holdings",
     "deferinit.regions",
     "deferinit.effects",
+    "deferinit.plain",
     "deferinit.liveness",
     "deferinit.text",
     "deferinit.cli.step",

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from deferinit.errors import CheckpointError
+from deferinit.plain import plain
 from deferinit.recorder import is_deferred_fake
 from fake import is_fake
 from fake.bypass import no_python_dispatch
@@ -291,7 +292,7 @@ class Capture(TorchDispatchMode):
             raise CheckpointError(f"cannot load {name}: its value is a fake tensor from fake_mode, whose values are unknown.")
         if src.is_meta:
             raise CheckpointError(f"cannot load {name}: its value is on the meta device, which holds no values.")
-        return MemorySource.entry(name, src)
+        return MemorySource.entry(name, plain(src))
 
     def _compute(self, func, info, args, kwargs, standing):
         written = {id(w) for w in info.written(args, kwargs)}
