@@ -61,6 +61,10 @@ class Node:
     # attributes, so making a node (the hot path of recording) sets five.
     payload = None
     version = None
+    # For an "external" node: the memory and geometry the outside tensor had
+    # when recorded, ``(storage, dtype, offset, shape, stride, conj, neg)``; replay reads them
+    # if the tensor was pointed at other memory since (``t.data = other``).
+    memory = None
     # (weak reference to the record stream, index in that stream) for nodes
     # that draw random numbers, else None.
     rng = None

@@ -25,6 +25,7 @@ from .errors import DataDependentError, InferenceTensorInputError, MixedFakeErro
 from .fastpath import FAST
 from .outside import computes_plain
 from .realdraws import draw_real
+from .plain import copied, dispatches_itself, holds_values
 from .grad import autograd_reads as _autograd_reads
 from .graph import Input, Node, Storage, Value
 from .record import current_record
@@ -212,6 +213,18 @@ class Recorder(FakeHandler):
         return Input(value, None)
 
     def _external_value(self, t: torch.Tensor, func=None):
+        if func is aten.copy_.default and (t.is_inference() or not holds_values(t)):
+            # copy_ reads its source at the call, eagerly: read it now, where a
+            # later change cannot be checked (no version counter) or replay
+            # could not read it (its memory is not its values; see plain.py).
+            t = copied(t)
+        elif dispatches_itself(t):
+            raise RecordingError(
+                f"{func or 'an operation'} {_in_or_after()} used a {type(t).__name__} {describe(t)} from "
+                f"outside, a tensor subclass with its own __torch_dispatch__{self.where()}: replay runs "
+                "PyTorch's kernels on plain memory and cannot run that dispatch. Pass a plain tensor of its "
+                "values (torch.empty(t.shape, dtype=t.dtype).copy_(t), or the library's own conversion)."
+            )
         if t.is_inference():
             raise InferenceTensorInputError(
                 f"{func or 'an operation'} {_in_or_after()} used an inference tensor "
@@ -222,6 +235,10 @@ class Recorder(FakeHandler):
             )
         node = Node("external", None, payload=t)
         node.version = t._version
+        try:
+            node.memory = (t.untyped_storage(), t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
+        except (RuntimeError, NotImplementedError):
+            pass  # no strided storage (a sparse tensor): read as it is
         storage = Storage()
         return Value(node, 0, meta_twin(t), storage, t.device), storage
 

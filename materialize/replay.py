@@ -154,6 +154,7 @@ class Replay(Plan):
                     "values cannot be reproduced. Keep it unchanged until materialization, or "
                     "pass a clone to the constructor."
                 )
+            t = recorded_memory(node)
             mapped = self.device_map(t.device)
             env[(node, 0)] = t if mapped == t.device else t.to(mapped)
             return
@@ -346,3 +347,29 @@ def _default_dtype_guard():
     finally:
         if guard.current is not guard.original:
             torch.set_default_dtype(guard.original)
+
+
+def recorded_memory(node: Node) -> torch.Tensor:
+    """An external node's tensor as it was recorded: the tensor itself (autograd
+    links to it), or, if ``t.data = other`` gave it other memory since, a
+    tensor on the memory it had then (which eager read at that point).
+
+    Example::
+
+        >>> w = torch.ones(2)
+        >>> m = deferred_init(lambda: torch.nn.Parameter(w * 2))
+        >>> w.data = torch.zeros(2)
+        >>> materialize_tensor(m).tolist()
+        [2.0, 2.0]
+    """
+    t = node.payload
+    if node.memory is None:
+        return t
+    storage, dtype, offset, shape, stride, conj, neg = node.memory
+    now = (t.untyped_storage()._cdata, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
+    if now == (storage._cdata, dtype, offset, shape, stride, conj, neg):
+        return t
+    with no_python_dispatch(), torch.no_grad():
+        out = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+        out = out.conj() if conj else out
+        return torch._neg_view(out) if neg else out

@@ -33,6 +33,7 @@ MODULES = [
     "deferinit.holdings",
     "deferinit.regions",
     "deferinit.effects",
+    "deferinit.plain",
     "deferinit.liveness",
     "deferinit.text",
     "deferinit.cli.step",
@@ -55,6 +56,7 @@ MODULES = [
     "materialize.checkpoint.safetensors_header",
     "materialize.checkpoint.torch_zip",
     "materialize.checkpoint.torch_pickle",
+    "materialize.checkpoint.undo",
 ]
 
 
