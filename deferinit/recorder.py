@@ -27,6 +27,7 @@ from .outside import computes_plain
 from .realdraws import draw_real
 from .plain import copied, dispatches_itself, holds_values
 from .grad import autograd_reads as _autograd_reads
+from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -38,18 +39,6 @@ LIFT_OPS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
 # Ops whose output is the input itself under another Python object (same
 # storage, same geometry): the output shares the input's value, no node.
 SAME_VALUE_OPS = frozenset({aten.detach.default, aten.alias.default})
-
-def attach(fake: FakeTensor, record, value: Value, storage: Storage) -> FakeTensor:
-    d = fake.__dict__
-    d["_record"] = record
-    d["_value"] = value
-    d["_storage"] = storage
-    return fake
-
-
-def is_deferred_fake(t) -> bool:
-    return isinstance(t, FakeTensor) and t._record is not None
-
 
 class Recorder(FakeHandler):
     """Handler for recorded fakes (registered with :mod:`fake.handlers`)."""
@@ -365,22 +354,6 @@ class Recorder(FakeHandler):
 
 def _in_or_after() -> str:
     return "inside deferred_init" if current_record() is not None else "on a deferred tensor"
-
-
-def check_storage_not_real(fake: FakeTensor, op) -> None:
-    """Refuse to record a write to a deferred tensor whose memory is already real.
-
-    Once a tensor is materialized, its views still deferred read the real
-    memory; a write recorded now would only be replayed when the view is
-    materialized, after whatever was done to the real memory in between.
-    """
-    storage = fake.__dict__.get("_storage")
-    if storage is not None and storage.real is not None:
-        raise RecordingError(
-            f"{getattr(op, '__name__', op)} writes a deferred tensor {describe(fake)} that shares "
-            "memory with a tensor already materialized, so the write would be replayed out of "
-            "order. Materialize this tensor first (materialize_tensor), then write to it."
-        )
 
 
 def _has_fake(args, kwargs) -> bool:

@@ -20,6 +20,7 @@ MODULES = [
     "fake.reads",
     "fake.compiling",
     "fake.checks",
+    "deferinit.binding",
     "fake.errors",
     "fake.storage",
     "fake.constants",
