@@ -12,7 +12,11 @@ import torch
 
 from fake.tensor import FakeTensor
 
-from .graph import Leaf
+from fake.flat import flatten
+
+from .graph import Input, Leaf, Node
+
+_SET = torch.ops.aten.set_.source_Tensor
 
 def _is_leaf(x: FakeTensor) -> bool:
     """A leaf requiring grad (a view taken under no_grad of a tensor requiring
@@ -29,7 +33,12 @@ def autograd_reads(flat, view: bool = False):
     """What autograd saw of this call: None if no input requires grad (and
     the call is no view), else ``(position, Leaf)`` for the inputs that are
     leaves requiring grad and ``(position, None)`` for the fakes that do not
-    require grad (``t.data``: replay strips whatever graph its value has)."""
+    require grad (``t.data``: replay strips whatever graph its value has).
+
+    The base of a view, when it is a tensor of its own (no view) that does
+    not require grad now, is named by its ``Leaf`` too: the view's
+    ``requires_grad`` follows that object's, and a ``requires_grad_`` on it
+    may come later (see :meth:`deferinit.graph.Leaf.changed`)."""
     entries = []
     requires = False
     for i, x in enumerate(flat):
@@ -38,11 +47,58 @@ def autograd_reads(flat, view: bool = False):
         if x.requires_grad:
             requires = True
             if isinstance(x, FakeTensor) and _is_leaf(x):
-                d = x.__dict__
-                leaf = d.get("_leaf")
-                if leaf is None:
-                    leaf = d["_leaf"] = Leaf()
-                entries.append((i, leaf))
+                entries.append((i, leaf_of(x, True)))
         elif isinstance(x, FakeTensor):
-            entries.append((i, None))
+            entries.append((i, leaf_of(x, False) if view and not x._is_view() else None))
     return tuple(entries) if requires or view else None
+
+
+def leaf_of(x: FakeTensor, requires_grad: bool) -> Leaf:
+    """The fake's ``Leaf``, made on its first read (``requires_grad`` its flag then)."""
+    d = x.__dict__
+    leaf = d.get("_leaf")
+    if leaf is None:
+        leaf = d["_leaf"] = Leaf(requires_grad)
+    return leaf
+
+
+def requires_grad_changed(x: FakeTensor) -> None:
+    """After ``requires_grad_`` on a recorded fake: the nodes recorded from now
+    on see its new flag (only a fake autograd already read has a ``Leaf``;
+    any other one is read with its flag as it then is)."""
+    leaf = x.__dict__.get("_leaf")
+    if leaf is not None:
+        leaf.changed(x.requires_grad)
+
+
+def view_versions(flat) -> tuple:
+    """``(position, version)`` of the fake views a call autograd saw reads: a
+    view's ``grad_fn`` is regenerated once its version moved on since it was
+    taken (:attr:`deferinit.graph.Node.base_version`)."""
+    return tuple(
+        (i, x._version) for i, x in enumerate(flat) if isinstance(x, FakeTensor) and x._is_view()
+    )
+
+
+def grad_fn_of(x: torch.Tensor):
+    """``x.grad_fn``, or None where autograd refuses to read it."""
+    try:
+        return x.grad_fn
+    except RuntimeError:
+        return None
+
+
+def data_node(old: Input, new: Input) -> Node:
+    """``t.data = new`` on a tensor with an autograd graph: it keeps that graph
+    (the ``grad_fn`` of its older value) with ``new``'s memory, dtype and
+    geometry.  Recorded as a ``set_`` of ``t`` to ``new`` (what it does to
+    memory), marked ``data_swap``: replay runs ``.data =`` on the tensor its
+    older value computed, so both the graph and the memory are eager's."""
+    node = Node("op", _SET, [old, new], _SET_SPEC)
+    node.writes = (0,)
+    node.reshapes = True
+    node.data_swap = True
+    return node
+
+
+_SET_SPEC = flatten((None, None), {})[1]

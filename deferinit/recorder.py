@@ -24,7 +24,7 @@ from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
 from .outside import computes_plain
-from .grad import autograd_reads as _autograd_reads
+from .grad import autograd_reads as _autograd_reads, data_node, grad_fn_of, requires_grad_changed, view_versions
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -119,8 +119,15 @@ class Recorder(FakeHandler):
             # no_grad of a tensor that requires grad requires grad too.
             node.grad = _autograd_reads(flat, view=True)
             node.no_grad = not grad_mode
+            base = info.arg(args, kwargs, info.view_arg)
+            if isinstance(base, torch.Tensor):
+                # The version the view starts from: autograd regenerates its
+                # grad_fn once the version counter it shares moved on.
+                node.base_version = base._version
         elif grad_mode:
             node.grad = _autograd_reads(flat)
+            if node.grad is not None:
+                node.read_versions = view_versions(flat)
 
         written = call.mutated
         for fake in written:
@@ -175,6 +182,11 @@ class Recorder(FakeHandler):
                     positions.append(i)
                     break
         node.writes = tuple(positions)
+        plain = tuple(i for i in positions if not call.flat[i].requires_grad)
+        if plain:
+            # Replay writes through whichever tensor holds the value, which
+            # may require grad where this one does not (t.detach().resize_()).
+            node.plain_writes = plain
         for fake in written:
             if not isinstance(fake, FakeTensor):
                 continue
@@ -254,6 +266,10 @@ class Recorder(FakeHandler):
 
     # -- variable-level calls ---------------------------------------------------
 
+    def requires_grad_changed(self, fake) -> None:
+        if fake._record is not None:
+            requires_grad_changed(fake)
+
     def set_data(self, fake, new) -> None:
         if not isinstance(new, torch.Tensor):
             raise TypeError(f"cannot assign a {type(new).__name__} to .data; assign a tensor")
@@ -271,8 +287,14 @@ class Recorder(FakeHandler):
                 "Do this outside fake_mode (it is then recorded), create the new data inside "
                 "deferred_init, or assign a real tensor."
             )
+        record = new._record
+        node = None
+        if fake._record is not None and grad_fn_of(fake) is not None:
+            # It keeps its graph with other data: a node reads both.
+            node = data_node(self._read(fake, "tensor.data =", record), self._read(new, "tensor.data =", record))
         adopt(fake, new)
-        attach(fake, new._record, new._value, new._storage)
+        value = new._value if node is None else Value(node, 0, fake, new._storage)
+        attach(fake, record, value, new._storage)
 
     def _wrap_external(self, t: torch.Tensor, record) -> FakeTensor:
         value, storage = self._external_value(t, "tensor.data =")
