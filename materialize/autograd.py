@@ -230,6 +230,12 @@ class Binder:
         # (a view of a parameter materialized before) is viewed again from
         # the real parameter (Replay._view_again).
         self.targets = [fake for _, fake in targets]
+        # View nodes of targets whose grad_fn autograd regenerated eagerly
+        # (their base was written since they were taken).
+        self.regenerate = {
+            id(fake._value.node) for fake in self.targets
+            if fake._is_view() and fake._value.node.base_version not in (None, fake._version)
+        }
         self.views_again = [
             i for i, fake in enumerate(self.targets) if needs_graph(fake) or real_root_of(fake) is not None
         ]
@@ -243,14 +249,13 @@ class Binder:
                 # Materialized before, and this is its memory (a read of a
                 # storage already real, or a view node taken again from it).
                 return real
-            if op_info(node.target).view_arg is None:
-                # An older value of it, computed afresh: eagerly the same
-                # object held it then, and holds it for this call (a view
-                # would keep the memory: it gets an object of its own below).
-                self._lent.append((real, real.data))
-                with torch.no_grad():
-                    real.data = tensor
-                return real
+            # An older value of it, computed afresh: eagerly the same object
+            # held it then, and holds it for this call (a view taken now
+            # keeps that memory, and the real object as its base).
+            self._lent.append((real, real.data))
+            with torch.no_grad():
+                real.data = tensor
+            return real
         obj = self.made.get(id(token))
         if obj is not None:
             if not same_memory(obj, tensor):

@@ -54,15 +54,17 @@ class GradCalls:
             return _alias(t)
         # Under autograd the tensor must be what it was eagerly: the very
         # tensor when it has a graph or is a view (its grad_fn is kept, or
-        # regenerated from the view after the in-place op), else a tensor
-        # of its own.
+        # regenerated from the view after the in-place op) or, for a call
+        # autograd saw, the tensor its views were taken from (set_ from a
+        # tensor requiring grad gives it a graph, which they follow), else a
+        # tensor of its own.
         plain = node.grad is not None and any(p == pos and leaf is None for p, leaf in node.grad)
         if (plain or pos in node.plain_writes) and t.requires_grad:
             # Eagerly another object on this value, one that requires no grad.
             return _detach(t)
         key = node.flat[pos].value.key
         alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
-        if alone and ((t.requires_grad and not plain) or (node.grad is not None and t._is_view())):
+        if alone and ((t.requires_grad and not plain) or (node.grad is not None and (t._is_view() or not t.requires_grad))):
             return t
         if node.grad is not None or not (t.requires_grad or t._is_view()):
             # No autograd view where eagerly the tensor is none: an alias
@@ -85,7 +87,13 @@ class GradCalls:
                 flags.append((t, t.requires_grad))
                 t.requires_grad_(not t.requires_grad)
             with torch.set_grad_enabled(not node.no_grad):
-                return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+                out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+            if id(node) in self.autograd.regenerate:
+                # A view whose base was written since it was taken eagerly:
+                # autograd regenerated its grad_fn from the base (done while
+                # a real base holds the value it had then).
+                out = regenerated(out) if isinstance(out, torch.Tensor) else type(out)(regenerated(o) for o in out)
+            return out
         finally:
             for t, flag in flags:
                 t.requires_grad_(flag)

@@ -28,6 +28,7 @@ from fake.bypass import no_python_dispatch
 from fake.flat import flatten_output, unflatten
 from fake.tensor import describe
 
+from .autograd import real_root
 from .gradcalls import GradCalls
 from .draws import Draws
 from .modes import check_sources, run_marked, scratch_for
@@ -140,7 +141,9 @@ class Replay(GradCalls, Plan):
             for i in getattr(self.autograd, "views_again", ()):
                 again = self._view_again(self.targets[i], env, real_views, results[i], binder.targets[i])
                 if again is not results[i]:
-                    self.retaken.add(i)
+                    if real_root(self.targets[i].value) is not None:
+                        # Taken from the real leaf it is a view of.
+                        self.retaken.add(i)
                     results[i] = again
         return results
 

@@ -1384,6 +1384,38 @@ FIXED = {
         'self.register_parameter("p", t0)',
         'self.register_buffer("a", t1)',
     ),
+    # A view of a no_grad view reshaped in place: taken again from the real
+    # memory without reaching the parameter, it falls back to a leaf that
+    # requires grad (as the view does eagerly).
+    "view_of_reshaped_no_grad_view": _prog(
+        "t0 = nn.Parameter(torch.zeros(2, 1))",
+        "with torch.no_grad(): t2 = t0.expand_as(t0)",
+        "with torch.no_grad(): t2.unsqueeze_(1)",
+        "t0.data = t2",
+        "with torch.no_grad(): t3 = t2.permute((2, 0, 1))",
+        'self.register_parameter("p_t0", t0)',
+        'self.register_buffer("b_t2", t2)',
+        'self.register_buffer("b_t3", t3)',
+    ),
+    # set_ from a tensor requiring grad, on a tensor whose views exist: they
+    # follow it (their grad_fn regenerated), on a parameter or a plain tensor.
+    "set_after_view_of_parameter": _prog(
+        "t0 = nn.Parameter(torch.empty(2, 2)); nn.init.uniform_(t0)",
+        "t1 = t0[0]",
+        "t2 = torch.zeros(2, 2)",
+        "with torch.no_grad(): t0.set_(t2)",
+        'self.register_parameter("p", t0)',
+        'self.register_buffer("a", t1)',
+    ),
+    "set_with_grad_after_view": _prog(
+        "t0 = torch.zeros(2, 2)",
+        "t1 = t0[0]",
+        "t2 = nn.Parameter(torch.ones(2, 2))",
+        "t0.set_(t2)",
+        'self.register_parameter("p", t2)',
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t0)',
+    ),
     # resize_ refuses a tensor that requires grad, even under no_grad: replay
     # resizes an alias that requires none, as the Parameter eagerly.
     "resize_of_no_grad_alias": _prog(
