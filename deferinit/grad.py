@@ -17,6 +17,7 @@ from fake.flat import flatten
 from .graph import Input, Leaf, Node
 
 _SET = torch.ops.aten.set_.source_Tensor
+_grad_enabled = torch.is_grad_enabled
 
 def _is_leaf(x: FakeTensor) -> bool:
     """A leaf requiring grad (a view taken under no_grad of a tensor requiring
@@ -27,6 +28,40 @@ def _is_leaf(x: FakeTensor) -> bool:
         # Autograd refuses to rebuild this view's grad_fn (a view taken under
         # no_grad whose base was written in place under grad mode).
         return False
+
+
+def note_autograd(node: Node, info, flat, args, kwargs) -> None:
+    """Note on ``node`` what autograd saw of its call (see :class:`deferinit.graph.Node`)."""
+    grad_mode = _grad_enabled()
+    if info.view_arg is not None:
+        # Autograd marks every view with the grad mode it was taken in
+        # (an in-place op may later need it), and a view taken under
+        # no_grad of a tensor that requires grad requires grad too.
+        node.grad = autograd_reads(flat, view=True)
+        node.no_grad = not grad_mode
+        base = info.arg(args, kwargs, info.view_arg)
+        if isinstance(base, torch.Tensor):
+            # The version the view starts from: autograd regenerates its
+            # grad_fn once the version counter it shares moved on.
+            node.base_version = base._version
+    elif grad_mode:
+        node.grad = autograd_reads(flat)
+        if node.grad is not None:
+            node.read_versions = view_versions(flat)
+
+
+def note_writes(node: Node, flat) -> None:
+    """Note which of the tensors ``node`` writes (``node.writes``) required no
+    grad, and which are ``t.data`` (a version counter of their own): replay
+    writes through whichever tensor holds the value, which may require grad,
+    or share a version counter with views whose ``grad_fn`` a write makes
+    autograd regenerate, where this one does not."""
+    data = tuple(i for i in node.writes if "_data_alias" in flat[i].__dict__)
+    if data:
+        node.data_writes = data
+    plain = tuple(i for i in node.writes if not flat[i].requires_grad)
+    if plain:
+        node.plain_writes = plain
 
 
 def autograd_reads(flat, view: bool = False):

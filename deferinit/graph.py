@@ -79,8 +79,10 @@ class Node:
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False
-    # Positions in ``flat`` of the inputs it writes that required no grad.
+    # Positions in ``flat`` of the inputs it writes that required no grad,
+    # and of those it writes through ``t.data`` (a version counter of its own).
     plain_writes = ()
+    data_writes = ()
     # ``t.data = new`` on a tensor with a graph (a ``set_`` node; see
     # :func:`deferinit.grad.data_node`).
     data_swap = False

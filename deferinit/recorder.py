@@ -24,7 +24,7 @@ from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
 from .outside import computes_plain
-from .grad import autograd_reads as _autograd_reads, data_node, grad_fn_of, requires_grad_changed, view_versions
+from .grad import data_node, grad_fn_of, note_autograd, note_writes, requires_grad_changed
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -92,6 +92,8 @@ class Recorder(FakeHandler):
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
             source = args[0]
+            if "_data_alias" in source.__dict__:  # shares its version counter
+                call.out.__dict__["_data_alias"] = True
             return attach(call.out, source._record, source._value, source._storage)
 
         flat, spec = call.flat, call.spec
@@ -112,22 +114,7 @@ class Recorder(FakeHandler):
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype
-        grad_mode = _grad_enabled()
-        if info.view_arg is not None:
-            # Autograd marks every view with the grad mode it was taken in
-            # (an in-place op may later need it), and a view taken under
-            # no_grad of a tensor that requires grad requires grad too.
-            node.grad = _autograd_reads(flat, view=True)
-            node.no_grad = not grad_mode
-            base = info.arg(args, kwargs, info.view_arg)
-            if isinstance(base, torch.Tensor):
-                # The version the view starts from: autograd regenerates its
-                # grad_fn once the version counter it shares moved on.
-                node.base_version = base._version
-        elif grad_mode:
-            node.grad = _autograd_reads(flat)
-            if node.grad is not None:
-                node.read_versions = view_versions(flat)
+        note_autograd(node, info, flat, args, kwargs)
 
         written = call.mutated
         for fake in written:
@@ -141,12 +128,15 @@ class Recorder(FakeHandler):
                 base = info.arg(args, kwargs, info.view_arg)
                 if isinstance(base, FakeTensor):
                     base_storage = base._storage
+            data_alias = base_storage is not None and "_data_alias" in base.__dict__
             for pos, fake in call.fresh:
                 storage = base_storage if base_storage is not None else Storage()
                 d = fake.__dict__
                 d["_record"] = record
                 d["_value"] = Value(node, pos, fake, storage)
                 d["_storage"] = storage
+                if data_alias:  # a view shares its base's version counter
+                    d["_data_alias"] = True
         if info.random:
             target = written[0] if written else call.fresh[0][1] if call.fresh else None
             device = target.device if target is not None else call.device
@@ -182,11 +172,7 @@ class Recorder(FakeHandler):
                     positions.append(i)
                     break
         node.writes = tuple(positions)
-        plain = tuple(i for i in positions if not call.flat[i].requires_grad)
-        if plain:
-            # Replay writes through whichever tensor holds the value, which
-            # may require grad where this one does not (t.detach().resize_()).
-            node.plain_writes = plain
+        note_writes(node, call.flat)
         for fake in written:
             if not isinstance(fake, FakeTensor):
                 continue
@@ -261,6 +247,8 @@ class Recorder(FakeHandler):
         check_storage_not_real(tensor, fn)
         record.add_random(node, stream_key(kwargs, tensor.device), tensor._storage)
         node.writes = (0,)
+        if "_data_alias" in tensor.__dict__:
+            node.data_writes = (0,)
         tensor._storage.head = node
         return tensor
 
@@ -393,7 +381,5 @@ def _record_of(args, kwargs):
                     return b._record
     return current_record()
 
-
-_grad_enabled = torch.is_grad_enabled
 RECORDER = Recorder()
 handlers.register_deferred(RECORDER)

@@ -26,7 +26,7 @@ from .storage_set import fake_set_
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
@@ -132,7 +132,11 @@ class FakeTensor(torch.Tensor):
 
     @property
     def data(self):
-        return torch.Tensor.data.__get__(self)
+        out = torch.Tensor.data.__get__(self)
+        # A version counter of its own: writes through it move no counter of
+        # this tensor's views, as eagerly (the recorder keeps this apart).
+        out.__dict__["_data_alias"] = True
+        return out
 
     @data.setter
     def data(self, new) -> None:

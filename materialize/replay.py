@@ -184,6 +184,10 @@ class Replay(GradCalls, Plan):
                     # Eagerly written through an alias that requires no grad
                     # (resize_ refuses a tensor that does, even under no_grad).
                     t = _detach(t)
+                if i in node.data_writes and self.autograd is not None:
+                    # Eagerly through t.data, whose version counter is its own:
+                    # the views of t keep their grad_fn.
+                    t = t.data
                 first_input = False
                 args.append(t)
             elif isinstance(x, torch.device):

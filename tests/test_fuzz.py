@@ -1416,6 +1416,27 @@ FIXED = {
         'self.register_buffer("a", t1)',
         'self.register_buffer("b", t0)',
     ),
+    # Writes through t.data move no version counter of t's views: their
+    # grad_fn is not regenerated (replay writes through a t.data too).
+    "data_write_after_grad_view": _prog(
+        "t0 = nn.Parameter(torch.zeros(2, 2))",
+        "t1 = t0[0]",
+        "t2 = t0[1]",
+        "t0.data.add_(1)",
+        "t2.data.normal_()",
+        'self.register_parameter("p", t0)',
+        'self.register_buffer("a", t1)',
+        'self.register_buffer("b", t2)',
+    ),
+    "data_write_after_view_then_requires_grad_": _prog(
+        "t0 = torch.zeros(2, 2)",
+        "t1 = t0[0]",
+        "t0.requires_grad_()",
+        "t1.data.add_(1)",
+        "t0.data[1].fill_(2.0)",
+        'self.register_buffer("p", t0)',
+        'self.register_buffer("a", t1)',
+    ),
     # resize_ refuses a tensor that requires grad, even under no_grad: replay
     # resizes an alias that requires none, as the Parameter eagerly.
     "resize_of_no_grad_alias": _prog(
