@@ -1,18 +1,21 @@
 """What autograd saw of a recorded call, kept on its node for replay.
 
-Replay recomputes eager's autograd graph (materialize/autograd.py) from two
+Replay recomputes eager's autograd graph (materialize/autograd.py) from
 facts recorded per call: which inputs were leaves requiring grad (shared
 :class:`~deferinit.graph.Leaf` markers, so that one leaf read by several calls
-is one tensor again) and which were fakes not requiring grad (``t.data``).
+is one tensor again) and which were fakes not requiring grad (``t.data``);
+for views, the base object and its version counter; for writes, which
+tensors written required no grad or were ``t.data``.  Also the
+``requires_grad_`` calls on leaves (a view follows its base's flag) and
+``t.data =`` on a tensor with a graph (:func:`data_node`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from fake.tensor import FakeTensor
-
 from fake.flat import flatten
+from fake.tensor import FakeTensor
 
 from .graph import Input, Leaf, Node
 
