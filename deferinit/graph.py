@@ -197,6 +197,14 @@ class Input:
         return f"<Input {self.value!r} @ {self.version!r}>"
 
 
+class FreshRead(Input):
+    """A read of a value computed afresh although its storage is real: the
+    computation carries eager's autograd graph, which the real memory,
+    materialized through another tensor, lacks."""
+
+    __slots__ = ()
+
+
 class Leaf:
     """The identity of one leaf tensor object as autograd saw it while
     recording: one that requires grad (an ``nn.Parameter``), or one a view

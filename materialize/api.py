@@ -11,7 +11,10 @@ from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 
-from .autograd import Binder, deferred_leaves, leaf_token, needs_graph, real_root_of, same_memory, view_again
+from .autograd import (
+    Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
+    with_fresh_graphs,
+)
 from .graphcheck import check_graph
 
 from .generators import hand_over_generators, records_of
@@ -156,12 +159,14 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
     fakes = [fake for _, fake in targets]
+    fresh = fresh_reads(targets, reads) if binder is not None else []
     shown = start_progress(progress, fakes)
     try:
-        replay = Replay(reads, device=device, inference=inference, labels=labels, autograd=binder)
+        replay = Replay(reads + [r for _, r in fresh], device=device, inference=inference,
+                        labels=labels + [labels[i] for i, _ in fresh], autograd=binder)
         if shown is not None:
             replay.progress = shown.replay_callback(replay, fakes)
-        reals = replay.run()
+        reals = with_fresh_graphs(replay.run(), fresh, len(reads))
         records = records_of(fakes)
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]

@@ -23,7 +23,8 @@ import itertools
 
 import torch
 
-from deferinit.graph import Input
+from deferinit.graph import FreshRead, Input
+from deferinit.plan import real_read
 from deferinit.recorder import is_deferred_fake
 from fake.opinfo import op_info
 from fake.tensor import FakeTensor
@@ -166,6 +167,33 @@ def real_root(value):
         if base is None:
             return None
         value = base.value
+
+
+def fresh_reads(targets, reads) -> list[tuple[int, FreshRead]]:
+    """``(index, read)`` for the targets computed with autograd whose memory is
+    already real (a tensor sharing it, ``nn.Parameter(t, requires_grad=False)``,
+    was materialized before): their computation is replayed afresh for its
+    graph, and the result gets the real memory (:func:`with_fresh_graphs`)."""
+    out = []
+    for i, ((_, fake), read) in enumerate(zip(targets, reads)):
+        node = read.value.node
+        if (grad_fn_of(fake) is not None and real_read(read) and node.kind == "op"
+                and op_info(node.target).view_arg is None and op_info(node.target).opname != "set_"):
+            out.append((i, FreshRead(read.value, read.version)))
+    return out
+
+
+def with_fresh_graphs(reals: list, fresh, count: int) -> list:
+    """The first ``count`` results, those with a fresh read (:func:`fresh_reads`)
+    being the computed tensor, with its graph, on the real memory (as
+    ``t.data = real``: eagerly that object shares the memory)."""
+    out = list(reals[:count])
+    for k, (i, _) in enumerate(fresh):
+        graph = reals[count + k]
+        with torch.no_grad():
+            graph.data = out[i]
+        out[i] = graph
+    return out
 
 
 def deferred_leaves(targets) -> list[tuple[str, torch.Tensor]]:
