@@ -43,7 +43,7 @@ def note_autograd(node: Node, info, flat, args, kwargs) -> None:
         node.grad = autograd_reads(flat, view=True)
         node.no_grad = not grad_mode
         base = info.arg(args, kwargs, info.view_arg)
-        if isinstance(base, torch.Tensor):
+        if isinstance(base, torch.Tensor) and not base.is_inference():  # inference: no version counter
             # The version the view starts from: autograd regenerates its
             # grad_fn once the version counter it shares moved on.
             node.base_version = base._version
@@ -114,7 +114,8 @@ def view_versions(flat) -> tuple:
     view's ``grad_fn`` is regenerated once its version moved on since it was
     taken (:attr:`deferinit.graph.Node.base_version`)."""
     return tuple(
-        (i, x._version) for i, x in enumerate(flat) if isinstance(x, FakeTensor) and x._is_view()
+        (i, x._version) for i, x in enumerate(flat)
+        if isinstance(x, FakeTensor) and x._is_view() and not x.is_inference()
     )
 
 

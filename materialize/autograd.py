@@ -262,7 +262,8 @@ class Binder:
         # (their base was written since they were taken).
         self.regenerate = {
             id(fake._value.node) for fake in self.targets
-            if fake._is_view() and fake._value.node.base_version not in (None, fake._version)
+            if fake._is_view() and fake._value.node.base_version is not None
+            and fake._value.node.base_version != fake._version
         }
         self.views_again = [
             i for i, fake in enumerate(self.targets) if needs_graph(fake) or real_root_of(fake) is not None
