@@ -67,6 +67,22 @@ def note_writes(node: Node, flat) -> None:
         node.plain_writes = plain
 
 
+def note_set_with_grad(node: Node, fake: FakeTensor, pos: int) -> None:
+    """``t.set_(source)`` that autograd saw (``source`` requires grad): ``t``
+    gets a graph, which the views of ``t`` follow.  A view ``t`` gives its
+    base the graph (``CopySlices``): the node is a write of the base's memory
+    too, so that reads of the base replay it.  A ``t`` of its own that views
+    were taken of (it has a ``Leaf``) is named by it, and requires grad from
+    here on: replay takes those views, and runs this node, on one object."""
+    if fake._is_view():
+        fake._storage.head = node
+        return
+    leaf = fake.__dict__.get("_leaf")
+    if leaf is not None and not fake.requires_grad:
+        node.grad = tuple((p, leaf if p == pos else x) for p, x in node.grad)
+        leaf.changed(True)
+
+
 def autograd_reads(flat, view: bool = False):
     """What autograd saw of this call: None if no input requires grad (and
     the call is no view), else ``(position, Leaf)`` for the inputs that are

@@ -24,7 +24,7 @@ from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .fastpath import FAST
 from .outside import computes_plain
-from .grad import data_node, grad_fn_of, note_autograd, note_writes, requires_grad_changed
+from .grad import data_node, grad_fn_of, note_autograd, note_set_with_grad, note_writes, requires_grad_changed
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -177,6 +177,8 @@ class Recorder(FakeHandler):
             if not isinstance(fake, FakeTensor):
                 continue
             if is_set:
+                if node.grad is not None:
+                    note_set_with_grad(node, fake, positions[0])
                 source = info.arg(args, kwargs, 1) if len(func._schema.arguments) > 1 else None
                 fake.__dict__["_storage"] = source._storage if isinstance(source, FakeTensor) else Storage()
             else:

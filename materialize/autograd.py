@@ -299,11 +299,12 @@ class Binder:
             # The base of a view that never requires grad: no object to follow.
             return tensor.data if tensor.requires_grad else tensor
         fake = self.fakes.get(id(token))
-        if fake is not None:
+        if fake is not None and flag:
             obj = self.make(fake, tensor)
         else:
             # A leaf no target's graph accumulates into (a temporary parameter
-            # only viewed under no_grad): a leaf of its own, that nothing sees.
+            # only viewed under no_grad), or the base of views that requires
+            # no grad yet: an object of its own (dressed at the swap).
             obj = tensor.detach()
         if obj.requires_grad != flag:
             # Its flag when this node ran eagerly; later changes come in order.

@@ -54,6 +54,8 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             obj = _leaf(cls, real, requires_grad)
     elif made is not None:
         obj = made
+        if cls is not None and type(obj) is not cls:
+            obj.__class__ = cls  # made as the base of views (materialize.autograd.Binder)
     elif retaken and real._is_view():
         obj = real
     elif is_grad_view(fake) and not (real.requires_grad and real._is_view()):

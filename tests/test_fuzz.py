@@ -1437,6 +1437,24 @@ FIXED = {
         'self.register_buffer("p", t0)',
         'self.register_buffer("a", t1)',
     ),
+    "set_with_grad_on_a_view": _prog(
+        "t0 = torch.zeros(1, 2)",
+        "t2 = t0.unsqueeze(0)",
+        "t4 = nn.Parameter(torch.ones(2))",
+        "t6 = t0.squeeze(0)",
+        "t6.set_(t4)",
+        'self.register_buffer("a", t2)',
+        'self.register_parameter("p", t4)',
+    ),
+    "set_with_grad_on_a_tensor_sharing_its_value": _prog(
+        "t0 = torch.zeros(2, 2)",
+        "t5 = t0.t()",
+        "t4 = nn.Parameter(t0)",
+        "t0.set_(t4)",
+        'self.register_buffer("a", t5)',
+        'self.register_buffer("b", t0)',
+        'self.register_parameter("p", t4)',
+    ),
     # resize_ refuses a tensor that requires grad, even under no_grad: replay
     # resizes an alias that requires none, as the Parameter eagerly.
     "resize_of_no_grad_alias": _prog(
