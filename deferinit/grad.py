@@ -22,11 +22,17 @@ from .graph import Input, Leaf, Node
 _SET = torch.ops.aten.set_.source_Tensor
 _grad_enabled = torch.is_grad_enabled
 
+
 def _is_leaf(x: FakeTensor) -> bool:
     """A leaf requiring grad (a view taken under no_grad of a tensor requiring
-    grad is not one: replay computes it from its base)."""
+    grad is not one: replay computes it from its base).
+
+    The view test comes first: ``is_leaf`` of a view of a tensor requiring
+    grad whose version moved makes autograd regenerate its ``grad_fn``, and
+    here, inside ``__torch_dispatch__`` (below autograd), that would replay
+    the view functions without autograd and leave the view no ``grad_fn``."""
     try:
-        return x.is_leaf and not (x._is_view() and x._base.requires_grad)
+        return not (x._is_view() and x._base.requires_grad) and x.is_leaf
     except RuntimeError:
         # Autograd refuses to rebuild this view's grad_fn (a view taken under
         # no_grad whose base was written in place under grad mode).

@@ -1455,6 +1455,19 @@ FIXED = {
         'self.register_buffer("b", t0)',
         'self.register_parameter("p", t4)',
     ),
+    # A view of a view taken under no_grad, after its base got a graph: the
+    # recorder must not make autograd regenerate the first view's grad_fn
+    # inside __torch_dispatch__ (below autograd: it would be left none).
+    "view_of_view_after_base_got_a_graph": _prog(
+        "t0 = torch.zeros(1, 1, 2)",
+        "t2 = t0.unsqueeze(0)",
+        "t4 = nn.Parameter(torch.ones(1, 2))",
+        "t6 = t0.squeeze(0)",
+        "t6.set_(t4)",
+        "with torch.no_grad(): t9 = t2.narrow(0, 0, 1)",
+        'self.register_buffer("a", t2)',
+        'self.register_parameter("p", t4)',
+    ),
     # resize_ refuses a tensor that requires grad, even under no_grad: replay
     # resizes an alias that requires none, as the Parameter eagerly.
     "resize_of_no_grad_alias": _prog(
