@@ -26,8 +26,8 @@ from .fastpath import FAST
 from .outside import computes_plain
 from .realdraws import draw_real
 from .plain import copied, dispatches_itself, holds_values
-from .grad import autograd_reads as _autograd_reads
 from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
+from .grad import data_node, grad_fn_of, note_autograd, note_set_with_grad, note_writes, requires_grad_changed
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -84,6 +84,8 @@ class Recorder(FakeHandler):
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
             source = args[0]
+            if "_data_alias" in source.__dict__:  # shares its version counter
+                call.out.__dict__["_data_alias"] = True
             return attach(call.out, source._record, source._value, source._storage)
 
         flat, spec = call.flat, call.spec
@@ -106,15 +108,7 @@ class Recorder(FakeHandler):
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype
-        grad_mode = _grad_enabled()
-        if info.view_arg is not None:
-            # Autograd marks every view with the grad mode it was taken in
-            # (an in-place op may later need it), and a view taken under
-            # no_grad of a tensor that requires grad requires grad too.
-            node.grad = _autograd_reads(flat, view=True)
-            node.no_grad = not grad_mode
-        elif grad_mode:
-            node.grad = _autograd_reads(flat)
+        note_autograd(node, info, flat, args, kwargs)
 
         written = call.mutated
         for fake in written:
@@ -128,12 +122,15 @@ class Recorder(FakeHandler):
                 base = info.arg(args, kwargs, info.view_arg)
                 if isinstance(base, FakeTensor):
                     base_storage = base._storage
+            data_alias = base_storage is not None and "_data_alias" in base.__dict__
             for pos, fake in call.fresh:
                 storage = base_storage if base_storage is not None else Storage()
                 d = fake.__dict__
                 d["_record"] = record
                 d["_value"] = Value(node, pos, fake, storage)
                 d["_storage"] = storage
+                if data_alias:  # a view shares its base's version counter
+                    d["_data_alias"] = True
         if info.random:
             target = written[0] if written else call.fresh[0][1] if call.fresh else None
             device = target.device if target is not None else call.device
@@ -177,10 +174,13 @@ class Recorder(FakeHandler):
                     positions.append(i)
                     break
         node.writes = tuple(positions)
+        note_writes(node, call.flat)
         for fake in written:
             if not isinstance(fake, FakeTensor):
                 continue
             if is_set:
+                if node.grad is not None:
+                    note_set_with_grad(node, fake, positions[0])
                 source = info.arg(args, kwargs, 1) if len(func._schema.arguments) > 1 else None
                 fake.__dict__["_storage"] = source._storage if isinstance(source, FakeTensor) else Storage()
             else:
@@ -267,10 +267,16 @@ class Recorder(FakeHandler):
         check_storage_not_real(tensor, fn)
         record.add_random(node, stream_key(kwargs, tensor.device), tensor._storage)
         node.writes = (0,)
+        if "_data_alias" in tensor.__dict__:
+            node.data_writes = (0,)
         tensor._storage.head = node
         return tensor
 
     # -- variable-level calls ---------------------------------------------------
+
+    def requires_grad_changed(self, fake) -> None:
+        if fake._record is not None:
+            requires_grad_changed(fake)
 
     def set_data(self, fake, new) -> None:
         if not isinstance(new, torch.Tensor):
@@ -289,8 +295,14 @@ class Recorder(FakeHandler):
                 "Do this outside fake_mode (it is then recorded), create the new data inside "
                 "deferred_init, or assign a real tensor."
             )
+        record = new._record
+        node = None
+        if fake._record is not None and grad_fn_of(fake) is not None:
+            # It keeps its graph with other data: a node reads both.
+            node = data_node(self._read(fake, "tensor.data =", record), self._read(new, "tensor.data =", record))
         adopt(fake, new)
-        attach(fake, new._record, new._value, new._storage)
+        value = new._value if node is None else Value(node, 0, fake, new._storage)
+        attach(fake, record, value, new._storage)
 
     def _wrap_external(self, t: torch.Tensor, record) -> FakeTensor:
         value, storage = self._external_value(t, "tensor.data =")
@@ -377,7 +389,5 @@ def _record_of(args, kwargs):
                     return b._record
     return current_record()
 
-
-_grad_enabled = torch.is_grad_enabled
 RECORDER = Recorder()
 handlers.register_deferred(RECORDER)

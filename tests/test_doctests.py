@@ -45,6 +45,8 @@ MODULES = [
     "materialize",
     "materialize.api",
     "materialize.autograd",
+    "materialize.gradcalls",
+    "materialize.graphcheck",
     "materialize.checkpoint",
     "materialize.checkpoint.api",
     "materialize.checkpoint.capture",
