@@ -25,6 +25,7 @@ from .errors import (
     AutogradMaterializationError,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CheckpointReadError,
     DataDependentError,
     DeferredInitError,
@@ -70,6 +71,7 @@ __all__ = [
     "ReplayError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CheckpointReadError",
 ]
 

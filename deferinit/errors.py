@@ -8,6 +8,9 @@ what to do about it.  The catalogue with causes and fixes is in
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class DeferredInitError(RuntimeError):
     """Base class of the errors raised while recording or replaying."""
@@ -52,6 +55,25 @@ class AutogradMaterializationError(MaterializationError):
 class CheckpointError(DeferredInitError):
     """``load_checkpoint`` cannot use its source: a missing or unreadable file, a
     corrupt header, a format it does not know.  Nothing was recorded or loaded."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint, or a file its index names, does not exist.  Also a
+    ``FileNotFoundError`` (``errno.ENOENT``, ``filename`` the path), as code
+    written for ``torch.load`` and safetensors expects.  Nothing was recorded
+    or loaded."""
+
+    def __init__(self, message: str, filename: str | None = None):
+        super().__init__(message)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+        self.filename = filename
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+    def __reduce__(self):
+        return type(self), (str(self), self.filename)
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -104,10 +104,14 @@ class Liveness:
             gen = gen | new
 
     def _hidden_by_loads(self) -> set:
-        """The nodes that are dead only because loads overwrite their
-        results (live if loads read what they write over)."""
-        without = self._scan(set(), loads_hide=False)["live"]
-        return {nid for nid in without if nid not in self.live}
+        """The nodes that are dead, or only allocated, because loads (a checkpoint,
+        ``load_state_dict``) overwrite their results (they run if loads read what
+        they write over): a random factory a load fills is allocated, not drawn."""
+        without = self._scan(set(), loads_hide=False)
+        return {
+            nid for nid in without["live"]
+            if nid not in self.live or (self.modes.get(nid) == ALLOC and without["modes"].get(nid) != ALLOC)
+        }
 
     # -- the backward scan ------------------------------------------------------
 

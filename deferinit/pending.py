@@ -42,7 +42,7 @@ from fake.tensor import FakeTensor
 
 from .errors import PendingDrawsWarning
 from .record import CHAINS, current_record
-from .rng import current_fingerprint, default_generator, fingerprint
+from .rng import default_generator, fingerprint, get_state
 from .where import constructing
 
 _lock = threading.Lock()
@@ -142,7 +142,7 @@ def _pending(device: torch.device):
             gen = default_generator(device)
             if gen is None:
                 return None
-            now = current_fingerprint(gen)
+            now = fingerprint(get_state(gen))
         if now == fingerprint(record.exit[device]):
             with _lock:
                 if _watched.get(record) is hold:

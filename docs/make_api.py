@@ -39,6 +39,7 @@ PUBLIC = [
             "ReplayError",
             "CheckpointError",
             "CheckpointMismatchError",
+            "CheckpointNotFoundError",
             "CheckpointReadError",
         ],
     ),

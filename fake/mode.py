@@ -20,7 +20,7 @@ from . import handlers
 from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .reads import READS, read, reads_memory
-from .device import backend_device
+from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
 from .subclass import accepting_fakes
 from .tensor import FakeTensor
@@ -60,7 +60,9 @@ class FakeFunctionMode(TorchFunctionMode):
         self.bodies: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        meant = _backend_stands_for(args) if type(func) not in _OPERATORS else None
+        if func in _PLAIN:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        meant = _backend_stands_for(args) if BACKENDLESS and type(func) not in _OPERATORS else None
         if meant is not None:
             with backend_stands_for(meant):
                 return self.__torch_function__(func, types, args, kwargs)
@@ -115,6 +117,17 @@ class FakeFunctionMode(TorchFunctionMode):
         return rewrite_call(func, args, kwargs, self.fake_cuda)
 
 
+# The calls every constructor makes most often (nn.init's no_grad blocks,
+# register_parameter's grad_fn test, fan computations), which make no tensor
+# and take no device: straight through.
+_PLAIN = frozenset({
+    torch._C._set_grad_enabled,
+    torch.Tensor.grad_fn.__get__,
+    torch.Tensor.dim,
+    torch.Tensor.size,
+})
+
+
 # Operators called directly (DTensor running its local computation): their
 # explicit devices are the caller's, never C++ options.
 _OPERATORS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
@@ -137,7 +150,7 @@ def _backend_stands_for(args):
     if not isinstance(first, FakeTensor):
         return None
     device = first.__dict__["_device"]
-    if device.type == "cpu" or backend_device(device) == device or backend_meant() == device:
+    if device not in BACKENDLESS or backend_meant() == device:
         return None
     return device
 

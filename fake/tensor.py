@@ -18,7 +18,7 @@ from . import first as _first
 from . import handlers
 from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
-from .device import backend_device, normalize
+from .device import backend_device, kind_of, normalize
 from .errors import FakeDataAccessError
 from .storage import storage_of
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
@@ -27,7 +27,7 @@ from .storage_set import fake_set_
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
@@ -71,7 +71,7 @@ class FakeTensor(torch.Tensor):
         requires_grad = bool(requires_grad)
         if not shadow.is_meta:
             raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
-        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (kind_of(device) == "cpu"):
             device = normalize(device)
         return _make(cls, shadow, device, requires_grad)
 
@@ -84,11 +84,11 @@ class FakeTensor(torch.Tensor):
 
     @property
     def is_cuda(self) -> bool:
-        return self.__dict__["_device"].type == "cuda"
+        return kind_of(self.__dict__["_device"]) == "cuda"
 
     @property
     def is_cpu(self) -> bool:
-        return self.__dict__["_device"].type == "cpu"
+        return kind_of(self.__dict__["_device"]) == "cpu"
 
     @property
     def is_meta(self) -> bool:
@@ -96,7 +96,7 @@ class FakeTensor(torch.Tensor):
 
     def get_device(self) -> int:
         device = self.__dict__["_device"]
-        return -1 if device.type == "cpu" else device.index
+        return -1 if kind_of(device) == "cpu" else device.index
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -140,11 +140,29 @@ class FakeTensor(torch.Tensor):
 
     @property
     def data(self):
-        return torch.Tensor.data.__get__(self)
+        out = torch.Tensor.data.__get__(self)
+        # A version counter of its own: writes through it move no counter of
+        # this tensor's views, as eagerly (the recorder keeps this apart).
+        out.__dict__["_data_alias"] = True
+        return out
 
     @data.setter
     def data(self, new) -> None:
         handlers.for_args((self, new), None).set_data(self, new)
+
+    # -- requires_grad ----------------------------------------------------------
+
+    def requires_grad_(self, requires_grad=True):
+        _REQUIRES_GRAD_(self, requires_grad)
+        # A view follows its base's flag: the recorder notes when it changed.
+        handlers.for_args((self,), None).requires_grad_changed(self)
+        return self
+
+    def _set_requires_grad(self, requires_grad) -> None:
+        _REQUIRES_GRAD.__set__(self, requires_grad)
+        handlers.for_args((self,), None).requires_grad_changed(self)
+
+    requires_grad = property(torch._C.TensorBase.requires_grad.__get__, _set_requires_grad)
 
     # -- moving between devices ---------------------------------------------
 
@@ -205,8 +223,8 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy()", lambda t: _read_only(t.numpy(force=force), t))
 
     def __array__(self, dtype=None, copy=None):
-        if copy:  # np.array(t): a copy of its own, writable as eagerly
-            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy())
+        if copy:  # np.array(t): a copy of its own, writable as eagerly, in the order of t's strides
+            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy(order="K"))
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
@@ -248,6 +266,8 @@ def _read_only(array, real: torch.Tensor):
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 _STRIDED = torch.strided
 
 

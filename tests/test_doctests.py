@@ -21,6 +21,7 @@ MODULES = [
     "fake.reads",
     "fake.compiling",
     "fake.checks",
+    "deferinit.binding",
     "fake.errors",
     "fake.storage",
     "fake.constants",
@@ -34,6 +35,7 @@ MODULES = [
     "deferinit.holdings",
     "deferinit.regions",
     "deferinit.effects",
+    "deferinit.plain",
     "deferinit.liveness",
     "deferinit.text",
     "deferinit.cli.step",
@@ -44,6 +46,8 @@ MODULES = [
     "materialize",
     "materialize.api",
     "materialize.autograd",
+    "materialize.gradcalls",
+    "materialize.graphcheck",
     "materialize.checkpoint",
     "materialize.checkpoint.api",
     "materialize.checkpoint.capture",
@@ -52,6 +56,11 @@ MODULES = [
     "materialize.checkpoint.loading",
     "materialize.checkpoint.matching",
     "materialize.checkpoint.sources",
+    "materialize.checkpoint.index",
+    "materialize.checkpoint.safetensors_header",
+    "materialize.checkpoint.torch_zip",
+    "materialize.checkpoint.torch_pickle",
+    "materialize.checkpoint.undo",
 ]
 
 
