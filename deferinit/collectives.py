@@ -14,8 +14,9 @@ draws start from) in one small ``all_gather``; if they agree, the
 collective is recorded as its local equivalent:
 
 * ``broadcast_`` changes nothing (the tensor already holds the root's values);
-* ``scatter_`` becomes ``output.copy_(piece)``, ``piece`` being this rank's
-  piece of its own copy of the source, padded as the root pads it.  The
+* ``scatter_`` becomes a copy of ``piece`` into the output, ``piece``
+  being this rank's piece of its own copy of the source, and zeros into
+  the rest of the output (the padding the root adds to uneven pieces).  The
   source is found from the output, which DTensor allocates like one of the
   pieces (``empty_like``) that it split off the source; the pieces
   themselves only reach the collective on the root.
@@ -136,16 +137,15 @@ def _scatter(func, args, kwargs, bound):
     result = run(func, args, kwargs).out  # the (meta) work object; nothing recorded
     with torch.no_grad():
         pieces = torch.split(source, split_size, dim)
-        if me < len(pieces):
-            piece = pieces[me]
-        else:
-            shape = list(source.shape)
-            shape[dim] = 0
-            piece = source.new_zeros(shape)
-        missing = out.shape[dim] - piece.shape[dim]
-        if missing:
-            piece = torch.constant_pad_nd(piece, [0, 0] * (piece.dim() - 1 - dim) + [0, missing], 0)
-        out.copy_(piece)  # recorded: this rank's own piece, as the root would pad it
+        n = pieces[me].shape[dim] if me < len(pieces) else 0
+        # Recorded: this rank's own piece, padded with zeros as the root pads
+        # it, as two writes to two parts of the output: a load of the piece
+        # over the part DTensor keeps (which it views) then hides the copy,
+        # and with it the source's initialization.
+        if n:
+            out.narrow(dim, 0, n).copy_(pieces[me])
+        if out.shape[dim] > n:
+            out.narrow(dim, n, out.shape[dim] - n).zero_()
     return result
 
 
