@@ -46,20 +46,22 @@ def unravel(flat: int, shape) -> tuple:
     return tuple(reversed(index))
 
 
-def as_box(offset: int, sizes, strides, shape):
+def as_box(offset: int, sizes, strides, shape, layout=None):
     """``(start, box_sizes)`` when the elements ``offset + i . strides`` of a
-    row-major tensor of ``shape`` are exactly a box of its indices, enumerated
-    in the box's own row-major order (so that a tensor of ``sizes`` holding them
-    reshapes to ``box_sizes``); None otherwise.  An empty piece gives a box with
-    a zero size."""
+    tensor of ``shape`` are exactly a box of its indices, enumerated in the
+    box's own row-major order (so that a tensor of ``sizes`` holding them
+    reshapes to ``box_sizes``); None otherwise.  The tensor is row-major, or
+    has the strides ``layout`` (decreasing, its elements not overlapping: a
+    column block of a bigger tensor).  An empty piece gives a box with a zero size."""
     shape = tuple(shape)
     if any(n == 0 for n in sizes):
         return (0,) * len(shape), (0,) * len(shape)
-    numel = math.prod(shape)
-    if offset < 0 or offset >= max(numel, 1) or any(s < 0 for s in strides):
+    full = contiguous_strides(shape) if layout is None else tuple(layout)
+    if layout is not None and not _ordered(shape, full):
         return None
-    full = contiguous_strides(shape)
-    start = unravel(offset, shape)
+    start = _position(offset, shape, full)
+    if start is None or any(s < 0 for s in strides):
+        return None
     box = [1] * len(shape)
     d = len(shape) - 1
     for n, s in reversed([(n, s) for n, s in zip(sizes, strides) if n != 1]):
@@ -73,16 +75,38 @@ def as_box(offset: int, sizes, strides, shape):
                 box[d] = left
                 d -= 1
                 break
-            # The piece runs past this dimension: only whole rows of it merge
-            # into the next one out.
-            if start[d] != 0 or left % shape[d] != 0:
+            # The piece runs past this dimension: only whole rows of it, of a
+            # dimension adjacent in memory to the next one out, merge into it.
+            if start[d] != 0 or left % shape[d] != 0 or d == 0 or full[d - 1] != shape[d] * full[d]:
                 return None
             box[d] = shape[d]
             left //= shape[d]
             d -= 1
-            if d < 0:
-                return None
     return start, tuple(box)
+
+
+def _position(offset: int, shape, strides):
+    """The index of the element at ``offset`` of a tensor with decreasing
+    ``strides`` whose elements do not overlap, or None if no element is there."""
+    index = []
+    for n, s in zip(shape, strides):
+        if n == 1:
+            index.append(0)
+            continue
+        i = offset // s if s else 0
+        if i >= n:
+            return None
+        index.append(i)
+        offset -= i * s
+    if offset != 0:
+        return None
+    return tuple(index)
+
+
+def _ordered(shape, strides) -> bool:
+    """Strides decreasing, each dimension's elements beyond the extent of the ones inside it."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    return all(outer >= n * inner for (_, outer), (n, inner) in zip(dims, dims[1:])) and all(s > 0 for _, s in dims)
 
 
 def slab(offset: int, sizes, strides, shape):

@@ -44,8 +44,10 @@ from fake.bypass import no_python_dispatch
 from fake.dispatch import run
 from fake.tensor import FakeTensor
 
+from .effects import root_value
 from .errors import RecordingError
 from .graph import Input
+from .regions import Region
 from .rng import SAME, SEED
 
 # Operator namespaces of collectives (ProcessGroup ops and functional collectives).
@@ -227,10 +229,11 @@ def _backend(group) -> str:
 def _disagreement(what: str, ranks, root) -> CollectiveError:
     return CollectiveError(
         f"distributing a deferred tensor by {what} from rank {root}: the tensor has another recipe "
-        f"on rank(s) {ranks} than on rank {root} (another seed, or rank-dependent code before it), "
-        f"so the values rank {root} would send cannot be reproduced there. Seed every rank the same "
-        "before deferred_init, or pass src_data_rank=None to distribute_tensor / "
-        "parallelize_module to keep each rank's own values."
+        f"on rank(s) {ranks} than on rank {root} (another seed, another checkpoint loaded into it, or "
+        f"rank-dependent code before it), so the values rank {root} would send cannot be reproduced "
+        "there. Seed every rank the same before deferred_init and load the same checkpoint, or load "
+        "the checkpoint after distribute_tensor / parallelize_module (each rank then reads its own "
+        "piece), or pass src_data_rank=None to keep each rank's own values."
     )
 
 
@@ -286,29 +289,48 @@ def _closure(read: Input) -> list:
         stack.append((node, True))
         for x in reversed(node.flat):
             if type(x) is Input:
-                for dep in reversed(_inputs_nodes(x)):
+                for dep in reversed(_inputs_nodes(x, _overwrites_storage(node))):
                     if id(dep) not in done:
                         stack.append((dep, False))
     return order
 
 
-def _inputs_nodes(read: Input) -> list:
+def _inputs_nodes(read: Input, overwritten: bool = False) -> list:
+    if overwritten:
+        return []  # only the geometry counts (described with the read)
     nodes = [read.value.node]
     if read.version is not None:
         nodes.append(read.version)
     return nodes
 
 
+def _overwrites_storage(node) -> bool:
+    """A checkpoint load over every byte of its storage: what was written there
+    before (the initialization it replaces, maybe seeded otherwise on another
+    rank) is not part of the values."""
+    if node.kind != "load":
+        return False
+    value = node.flat[0].value
+    root = root_value(value)
+    if root is None:
+        return False
+    whole, written = Region.of(root), Region.of(value)
+    return whole is None or (written is not None and written.covers(whole))
+
+
 def _describe_input(read: Input, number) -> tuple:
     v = read.value
     version = number.get(id(read.version), -1) if read.version is not None else -1
-    return (number[id(v.node)], v.index, v.size, v.stride, v.offset, str(v.dtype), version)
+    return (number.get(id(v.node), -1), v.index, v.size, v.stride, v.offset, str(v.dtype), version)
 
 
 def _describe_node(node, number) -> tuple:
     parts = [node.kind, node.name]
     if node.kind in ("constant", "external"):
         parts.append(("data", _tensor_digest(node.payload), node.version))
+    if node.kind == "load":
+        # What the checkpoint holds, not what the file is called on this rank.
+        parts.append(("loaded", node.payload.fingerprint()))
     parts.extend(_describe_arg(x, number) for x in node.flat)
     if node.rng is not None:
         parts.append(("rng", _draw_origin(node.rng[0](), node.rng[1])))

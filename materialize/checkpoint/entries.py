@@ -91,6 +91,12 @@ class Entry:
         """Raise :class:`CheckpointReadError` if the source changed since it was opened."""
         self.source.check(self)
 
+    def fingerprint(self) -> bytes:
+        """A digest of the values (ranks compare it before a scatter; see :mod:`.fingerprints`)."""
+        from .fingerprints import digest
+
+        return digest(self)
+
     def describe(self) -> str:
         return f"{self.key!r} of {self.source.describe()}"
 

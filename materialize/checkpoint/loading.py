@@ -23,10 +23,10 @@ from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from fake import is_fake
 from fake.flat import flatten
 
+from .blocks import local_block
 from .sources import DeferredValue
 
 _SPEC = flatten((None,), {})[1]
-_BOXES = ("Shard", "Replicate")
 
 
 def record_load(fake: torch.Tensor, entry) -> Node:
@@ -50,25 +50,6 @@ def record_load(fake: torch.Tensor, entry) -> Node:
 
 def _is_dtensor(t) -> bool:
     return getattr(t, "_local_tensor", None) is not None and hasattr(t, "device_mesh")
-
-
-def local_block(key: str, tensor) -> tuple[tuple, tuple]:
-    """``(start, sizes)``: the block of the full tensor a DTensor holds on this rank."""
-    kinds = [type(p).__name__ for p in tensor.placements]
-    if any(k not in _BOXES for k in kinds):
-        raise CheckpointError(
-            f"{key} is sharded with placements {list(tensor.placements)}; load_checkpoint reads "
-            f"the blocks of Shard and Replicate placements only. Call load_checkpoint before sharding "
-            "(each rank then still reads only its own part)."
-        )
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    sizes, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if tuple(sizes) != tuple(tensor._local_tensor.shape):
-        raise CheckpointError(
-            f"{key}: this rank holds {list(tensor._local_tensor.shape)}, its placements say {list(sizes)}."
-        )
-    return tuple(start), tuple(sizes)
 
 
 def prepare(pairs) -> list:
