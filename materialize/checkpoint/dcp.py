@@ -139,15 +139,18 @@ class DcpCheckpoint:
         if same:
             return
         try:
-            layouts, identities, _ = self._parse(CheckpointReadError)
+            layouts, identities, save_id = self._parse(CheckpointReadError)
         except CheckpointReadError as e:
             raise CheckpointReadError(
                 f"{e} It changed since load_checkpoint read it. Nothing was changed; the tensors stay deferred."
             ) from None
-        if layouts.get(key) != self.layouts[key]:
+        if layouts.get(key) != self.layouts[key] or save_id != self.save_id:
+            # Another save over the same directory has another save_id, even
+            # with every chunk where it was.
             raise CheckpointReadError(
                 f"{self.describe()} changed since load_checkpoint read it: {key!r} is no longer stored "
-                "as it was. Call load_checkpoint again. Nothing was changed; the tensors stay deferred."
+                "as it was, or another save replaced it. Call load_checkpoint again. Nothing was "
+                "changed; the tensors stay deferred."
             )
         self.identities.update(identities)
 

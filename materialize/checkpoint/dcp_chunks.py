@@ -6,12 +6,13 @@ stretch (``_StorageInfo``: file, offset, length) in the checkpoint's
 metadata.  ``FileSystemReader.read_data`` then ``torch.load``\\ s each whole
 chunk into new memory and copies the part it needs.  Here the archive is
 only *looked at*: its zip directory (Python's ``zipfile``, on a window of
-the file), its local headers, its ``byteorder`` record and its pickle
+the file), its local headers, its ``version`` and ``byteorder`` records and its pickle
 (unpickled by :class:`_TensorUnpickler`, which knows the few callables a
 tensor's pickle names and calls none of them), to learn where the tensor's
 elements lie in the file.  Every field is checked against the others and
 against the window: sizes, offsets, the storage record's length against
-what the pickle says, compression (none), byte order (little).  The bytes
+what the pickle says, compression (none), byte order (little), and what
+PyTorch's own reader requires of the whole archive (:mod:`.zipcheck`).  The bytes
 are then read with ``pread`` straight into the destination
 (:func:`read_into`), only the elements asked for.
 
@@ -29,7 +30,6 @@ import io
 import math
 import os
 import pickle
-import struct
 import zipfile
 from typing import NamedTuple
 
@@ -38,10 +38,10 @@ import torch
 from deferinit.errors import CheckpointError
 
 from .copying import copy_strided
+from .zipcheck import check_archive, data_start, member
 
 # A tensor's pickle is a few hundred bytes; anything much larger is not one.
 _MAX_PICKLE = 1 << 20
-_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # zipfile.structFileHeader
 
 
 class ChunkLayout(NamedTuple):
@@ -180,16 +180,15 @@ def chunk_layout(fd: int, path: str, start: int, length: int, what: str) -> Chun
     window = Window(fd, start, length)
     try:
         archive = zipfile.ZipFile(window)
-        infos = {info.filename: info for info in archive.infolist()}
-        pickles = [name for name in infos if name.endswith("/data.pkl") or name == "data.pkl"]
-        if len(pickles) != 1:
-            raise bad(f"is not a torch.save archive (it holds {len(pickles)} data.pkl records)")
-        prefix = pickles[0][: -len("data.pkl")]
+        infos = check_archive(window, archive, bad)
+        prefix = archive.infolist()[0].filename.split("/", 1)[0] + "/"
+        if prefix + "data.pkl" not in infos:
+            raise bad(f"is not a torch.save archive (no {prefix}data.pkl record)")
         order = infos.get(prefix + "byteorder")
-        if order is not None and _member(window, order, 16, bad) not in (b"little",):
-            raise bad(f"was written with byte order {_member(window, order, 16, bad)!r}; only little-endian "
+        if order is not None and member(window, order, 16, bad) != b"little":
+            raise bad(f"was written with byte order {member(window, order, 16, bad)!r}; only little-endian "
                       "chunks are read (load it with dcp.load on the machine that wrote it)")
-        data = _member(window, infos[pickles[0]], _MAX_PICKLE, bad)
+        data = member(window, infos[prefix + "data.pkl"], _MAX_PICKLE, bad)
         tensor = _TensorUnpickler(io.BytesIO(data)).load()
     except CheckpointError:
         raise
@@ -204,7 +203,7 @@ def chunk_layout(fd: int, path: str, start: int, length: int, what: str) -> Chun
     nbytes = storage.numel * storage.dtype.itemsize
     if record.file_size != nbytes:
         raise bad(f"has a storage record of {record.file_size} bytes where its pickle says {nbytes}")
-    at = _data_start(window, record, bad)
+    at = data_start(window, record, bad)
     if at + nbytes > length:
         raise bad("has a storage record that runs past the chunk's end")
     itemsize = tensor.dtype.itemsize
@@ -215,33 +214,6 @@ def chunk_layout(fd: int, path: str, start: int, length: int, what: str) -> Chun
         if last >= nbytes // itemsize:
             raise bad(f"has a tensor reaching element {last} of a storage of {nbytes // itemsize}")
     return ChunkLayout(tensor.dtype, start + at, tensor.offset, tensor.sizes, tensor.strides)
-
-
-def _data_start(window: Window, info: zipfile.ZipInfo, bad) -> int:
-    """Where a stored (uncompressed) member's bytes start, from its local header."""
-    if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size or info.flag_bits & 1:
-        raise bad(f"has its record {info.filename} compressed or encrypted")
-    window.seek(info.header_offset)
-    raw = window.read(_LOCAL_HEADER.size)
-    if len(raw) != _LOCAL_HEADER.size:
-        raise bad(f"ends inside the local header of {info.filename}")
-    fields = _LOCAL_HEADER.unpack(raw)
-    name_length, extra_length = fields[10], fields[11]
-    if fields[0] != zipfile.stringFileHeader or window.read(name_length) != info.orig_filename.encode():
-        raise bad(f"has a local header for {info.filename} that does not match its directory")
-    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
-
-
-def _member(window: Window, info: zipfile.ZipInfo, limit: int, bad) -> bytes:
-    """A small stored member's bytes."""
-    if info.file_size > limit:
-        raise bad(f"has a {info.file_size}-byte {info.filename} record")
-    at = _data_start(window, info, bad)
-    window.seek(at)
-    data = window.read(info.file_size)
-    if len(data) != info.file_size:
-        raise bad(f"ends inside its {info.filename} record")
-    return data
 
 
 def read_into(fd: int, path: str, layout: ChunkLayout, start, sizes, dst: torch.Tensor, via=None) -> int:

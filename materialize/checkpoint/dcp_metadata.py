@@ -5,10 +5,10 @@
 becomes the same objects (PyTorch's own ``Metadata``,
 ``TensorStorageMetadata``, ``ChunkStorageMetadata``, ``MetadataIndex``,
 ``_StorageInfo``...) through an unpickler that builds only those classes
-and a few harmless values (``torch.Size``, dtypes, layouts, paths);
-anything else the file names becomes an inert :class:`Opaque` stand-in
-(a custom planner's ``planner_data`` may hold such things, which loading
-never needs).  :func:`tensors` then checks every field a load reads, as
+and a few harmless values (``torch.Size``, dtypes, layouts, paths); a
+file that names anything else is refused (a custom planner's own classes
+in ``planner_data`` too: ``dcp.load`` would import and call them).
+:func:`tensors` then checks every field a load reads, as
 untrusted input: types, shapes, chunks inside their tensor, not
 overlapping and covering it, a storage record for each chunk, its file a
 plain name inside the checkpoint directory.
@@ -34,28 +34,6 @@ from deferinit.boxes import intersect
 from deferinit.errors import CheckpointError
 
 METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
-
-
-class Opaque:
-    """Whatever a ``.metadata`` file names beyond the DCP classes: kept as inert data."""
-
-    def __new__(cls, *args, **kwargs):
-        self = object.__new__(cls)
-        self.args = args
-        return self
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self.state = state
-
-    def __call__(self, *args, **kwargs):
-        return type(self)(*args)
-
-
-def _opaque(module: str, name: str) -> type:
-    return type(f"Opaque[{module}.{name}]", (Opaque,), {"global_name": f"{module}.{name}"})
 
 
 def _known() -> dict:
@@ -95,7 +73,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return found
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        return _opaque(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not part of a distributed checkpoint's metadata")
 
     def persistent_load(self, pid):
         raise pickle.UnpicklingError("a .metadata file has no persistent ids")
@@ -145,8 +123,8 @@ def tensors(meta, path: str) -> dict:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 
     where = os.path.join(path, METADATA)
-    entries = meta.state_dict_metadata
-    storage = meta.storage_data
+    entries = getattr(meta, "state_dict_metadata", None)
+    storage = getattr(meta, "storage_data", None)
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointError(f"{where} is corrupt: its state_dict_metadata or storage_data is not a dict.")
     out = {}
@@ -162,16 +140,19 @@ def tensors(meta, path: str) -> dict:
         def bad(why, key=key):
             return CheckpointError(f"{where} is corrupt: {key!r} {why}.")
 
-        dtype = getattr(item.properties, "dtype", None)
+        properties = getattr(item, "properties", None)
+        dtype = getattr(properties, "dtype", None)
         if not isinstance(dtype, torch.dtype):
             raise bad(f"has dtype {dtype!r}")
-        if getattr(item.properties, "layout", torch.strided) is not torch.strided:
-            raise bad(f"has layout {item.properties.layout}; only dense (strided) tensors are read")
-        shape = _shape(item.size, bad, "size")
-        if not isinstance(item.chunks, list):
+        layout = getattr(properties, "layout", torch.strided)
+        if layout is not torch.strided:
+            raise bad(f"has layout {layout!r}; only dense (strided) tensors are read")
+        shape = _shape(getattr(item, "size", None), bad, "size")
+        listed = getattr(item, "chunks", None)
+        if not isinstance(listed, list):
             raise bad("has no list of chunks")
         chunks = []
-        for chunk in item.chunks:
+        for chunk in listed:
             offsets = _shape(getattr(chunk, "offsets", None), bad, "chunk offset")
             sizes = _shape(getattr(chunk, "sizes", None), bad, "chunk size")
             if len(offsets) != len(shape) or len(sizes) != len(shape):

@@ -21,6 +21,8 @@ import torch
 
 from deferinit.errors import CheckpointError, CheckpointMismatchError
 
+from .hints import pre_hook_hint
+
 
 class LoadResult(NamedTuple):
     """What ``load_checkpoint`` returns, like ``load_state_dict``'s ``_IncompatibleKeys``:
@@ -110,6 +112,8 @@ def match(module: torch.nn.Module, entries: dict, *, prefix: str = "", rename=No
             problems.append("unexpected key(s): " + ", ".join(repr(k) for k in unexpected))
     if problems:
         hint = "" if mismatched else " Pass strict=False to load the keys that match, or prefix=/rename= to map names."
+        if strict and (missing or unexpected):
+            hint += pre_hook_hint(module)
         raise CheckpointMismatchError(
             f"cannot load {source or 'the checkpoint'} into {type(module).__name__}: "
             + "; ".join(problems) + f". Nothing was loaded or recorded.{hint}"
