@@ -6,8 +6,9 @@ model on N ranks); it is loaded on M ranks with ``load_checkpoint`` into a
 deferred model, before or after sharding, and each rank's tensors are
 compared with eager's reference: the same model, sharded the same way,
 filled by ``dcp.load``.  Each rank reports the bytes it read from files
-(``rchar`` of ``/proc/self/io``) while loading and materializing, and the
-random kernels that ran.
+(``rchar`` of ``/proc/self/io``) in ``load_checkpoint`` (metadata and chunk
+headers) and while materializing (tensors), the bytes of the pieces it
+keeps, and the random kernels that ran.
 """
 
 from __future__ import annotations
@@ -116,12 +117,17 @@ def case_load(rank: int, world_size: int, model_name: str, layout: str, path: st
 
     torch.manual_seed(0)
     model = deferred_init(MODELS[model_name])
-    before = rchar()
+    headers = 0
     if order == "before":
+        before = rchar()
         load_checkpoint(model, path)
+        headers = rchar() - before
     shard(model, layout)
     if order == "after":
+        before = rchar()
         load_checkpoint(model, path)
+        headers = rchar() - before
+    before = rchar()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         materialize_module(model)
     read = rchar() - before
@@ -137,4 +143,10 @@ def case_load(rank: int, world_size: int, model_name: str, layout: str, path: st
                                  f"{type(want).__name__} {getattr(want, 'placements', '')}")
         if not torch.equal(_local(t), _local(want)):
             raise AssertionError(f"{name}: rank {rank}'s tensor differs from eager's after dcp.load")
-    return {"read": read, "random": random}
+    return {"headers": headers, "read": read, "own": own_bytes(model), "random": random}
+
+
+def own_bytes(model: nn.Module) -> int:
+    """The bytes of the pieces this rank keeps (a replicated tensor whole)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(_local(t).numel() * t.element_size() for t in tensors)

@@ -28,6 +28,7 @@ MODULES = [
     "deferinit.plan",
     "deferinit.holdings",
     "deferinit.regions",
+    "deferinit.boxes",
     "deferinit.effects",
     "deferinit.liveness",
     "deferinit.text",
@@ -46,6 +47,7 @@ MODULES = [
     "materialize.checkpoint.loading",
     "materialize.checkpoint.matching",
     "materialize.checkpoint.sources",
+    "materialize.checkpoint.fingerprints",
 ]
 
 

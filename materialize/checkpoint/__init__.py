@@ -4,7 +4,11 @@
 ``files.py`` (safetensors and ``torch.save`` files read by position),
 ``entries.py`` (one tensor of a checkpoint), ``copying.py`` (strided
 reads straight into a tensor), ``matching.py`` (keys to tensors),
-``loading.py`` (load nodes on deferred tensors, copies into real ones).
+``loading.py`` (load nodes on deferred tensors, copies into real ones),
+``blocks.py`` (the block a DTensor holds), ``dcp.py`` with
+``dcp_metadata.py``, ``dcp_chunks.py`` and ``zipcheck.py`` (PyTorch
+distributed checkpoints), ``fingerprints.py`` (digests of loaded values
+ranks compare), ``hints.py`` (advice in mismatch errors).
 
 Example::
 

@@ -14,8 +14,9 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     ``module.load_state_dict``, and return ``(missing_keys, unexpected_keys)``.
 
     ``source`` is a state dict, a ``.safetensors`` file, a ``torch.save``
-    file (read with ``weights_only=True``), or a directory of safetensors
-    files (with or without transformers' ``model.safetensors.index.json``).
+    file (read with ``weights_only=True``), a directory of safetensors
+    files (with or without transformers' ``model.safetensors.index.json``),
+    or a directory written by ``torch.distributed.checkpoint.save``.
     Names, ``strict``, dtype casting (to the tensor's dtype, as ``copy_``)
     and tied tensors follow ``load_state_dict``; a tied tensor counts as
     loaded when the checkpoint has any of its names.  ``prefix`` takes only
@@ -29,7 +30,8 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     the initialisation the checkpoint overwrites; tensors the checkpoint
     lacks keep their recorded initialisation.  A sharded tensor (FSDP2,
     tensor parallel), loaded before or after sharding, reads only the bytes
-    of its shard.  **Real** tensors are loaded at once.  Every check comes
+    of its shard, also from a distributed checkpoint saved on another number
+    of ranks.  **Real** tensors are loaded at once.  Every check comes
     before anything is recorded or loaded: on an error, nothing changed.
 
     Example::
