@@ -184,7 +184,7 @@ class DcpTensor:
         # ``dst`` cannot take the block's shape: read the stretch it lies in.
         start, box_sizes = box if box is not None else slab(offset, sizes, strides, shape)
         buffer = torch.empty(box_sizes, dtype=dtype if via is None else via)
-        done = self._read_box((start, box_sizes), buffer, None if via is None else via, entry)
+        done = self._read_box((start, box_sizes), buffer, via, entry)
         if box is not None:
             piece = buffer.reshape(sizes)
         else:
