@@ -288,9 +288,9 @@ def main(repeat: int = 3, quick: bool = False) -> str:
             parts += [model_table(name, runs, os.path.getsize(path), label), ""]
             if name == "gpt":
                 parts += [preimported_table(folder, repeat, quick), "", fsdp_table(path, quick), ""]
-                parts += [dcp_table(os.path.join(root, "gpt-dcp"), quick), ""]
+                parts += [dcp_table(os.path.join(root, "gpt-dcp"), quick, repeat), ""]
     parts += notes + [
-        f"Medians of {repeat} fresh processes per cell (the FSDP2 and DCP tables: one run); CPU, float32; MB = 10^6 bytes. "
+        f"Medians of {repeat} fresh processes per cell (the FSDP2 table: one run); CPU, float32; MB = 10^6 bytes. "
         "Ratios are to the meta arm, warm. Goals (GPT): `load_checkpoint` time <= 0.5x and peak RSS <= 0.7x of "
         "meta + `to_empty` + `load_state_dict(load_file)`; each FSDP2 rank of 2 reads <= 0.55x of the checkpoint. "
         "Arms that import `torch._dynamo` on the way (PyTorch does at the first random fill on the meta device, "

@@ -22,7 +22,7 @@ asked of files (``rchar``) and read from disk (``read_bytes``), random
 kernels (``torch.profiler``), and a checksum of its local tensors (equal
 across the arms: the same values).
 
-Run alone: ``python benchmarks/checkpoint_dcp.py [--quick]``.
+Run alone: ``python benchmarks/checkpoint_dcp.py [--repeat 3] [--quick]``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -136,14 +137,15 @@ def _load(rank, world, folder, arm, quick):
             materialize_module(model)
     seconds = time.perf_counter() - start
     io1 = _io()
+    peak = _status("VmHWM")
     random = sum(1 for e in prof.events() if any(k in e.name for k in RANDOM))
     own = checksum = 0
     for t in list(model.parameters()) + list(model.buffers()):
         local = getattr(t, "_local_tensor", t).detach()
         own += local.numel() * local.element_size()
-        checksum += float(local.double().sum())
+        checksum += float(local.sum(dtype=torch.float64))
     return {"seconds": seconds, "rchar": io1["rchar"] - io0["rchar"], "read_bytes": io1["read_bytes"] - io0["read_bytes"],
-            "peak_added": _status("VmHWM") - base, "random": random, "own": own, "checksum": checksum}
+            "peak_added": peak - base, "random": random, "own": own, "checksum": checksum}
 
 
 def _rank(rank, world, port, job, args, results):
@@ -192,16 +194,31 @@ def _drop_cache(folder: str) -> None:
             os.close(fd)
 
 
-def dcp_table(folder: str, quick: bool = False) -> str:
-    """Save the GPT with dcp.save on 2 FSDP2 ranks into ``folder``; load it every way; a markdown table."""
+def _median_run(runs: list) -> list[dict]:
+    """Per rank, the median of every figure over ``runs`` (lists of per-rank results)."""
+    out = []
+    for rank in range(len(runs[0])):
+        cells = [run[rank] for run in runs]
+        out.append({k: statistics.median(c[k] for c in cells) if k in _MEDIANS else cells[0][k] for k in cells[0]})
+    return out
+
+
+_MEDIANS = ("seconds", "rchar", "read_bytes", "peak_added")
+
+
+def dcp_table(folder: str, quick: bool = False, repeat: int = 1) -> str:
+    """Save the GPT with dcp.save on 2 FSDP2 ranks into ``folder``; load it every way
+    (medians of ``repeat`` runs of each); a markdown table."""
     spawn(_save, 2, folder, quick)
     size = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder))
     rows, ratios = [], []
     for world in (1, 2):
-        runs = {}
-        for arm in ARMS:
-            _drop_cache(folder)
-            runs[arm] = spawn(_load, world, folder, arm, quick)
+        runs = {arm: [] for arm in ARMS}
+        for _ in range(repeat):
+            for arm in ARMS:  # interleaved, so that a busy moment of the machine hits every arm
+                _drop_cache(folder)
+                runs[arm].append(spawn(_load, world, folder, arm, quick))
+        runs = {arm: _median_run(cells) for arm, cells in runs.items()}
         for arm, label in ARMS.items():
             for rank, r in enumerate(runs[arm]):
                 same = abs(r["checksum"] - runs["titan"][rank]["checksum"]) <= 1e-9 * max(1.0, abs(r["checksum"]))
@@ -219,7 +236,7 @@ def dcp_table(folder: str, quick: bool = False) -> str:
         f"A distributed checkpoint of the GPT (`dcp.save` by 2 FSDP2 ranks: {size / MB:,.0f} MB in "
         f"{len(os.listdir(folder)) - 1} `.distcp` files; the tied head is saved under both names), loaded by 1 "
         "process (no sharding) and by 2 FSDP2 ranks (gloo, one CPU thread each), each a fresh process, the "
-        "checkpoint dropped from the page cache first:",
+        f"checkpoint dropped from the page cache first; medians of {repeat} runs per arm:",
         "",
         table(["way", "ranks: rank", "time", "peak RSS added", "bytes asked (rchar)", "of the checkpoint",
                "read from disk", "time / torchtitan", "peak / torchtitan", "random kernels",
@@ -234,4 +251,5 @@ if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
-        print(dcp_table(os.path.join(root, "gpt-dcp"), "--quick" in sys.argv))
+        repeat = int(sys.argv[sys.argv.index("--repeat") + 1]) if "--repeat" in sys.argv else 3
+        print(dcp_table(os.path.join(root, "gpt-dcp"), "--quick" in sys.argv, repeat))
