@@ -143,6 +143,14 @@ def case_load(rank: int, world_size: int, model_name: str, layout: str, path: st
                                  f"{type(want).__name__} {getattr(want, 'placements', '')}")
         if not torch.equal(_local(t), _local(want)):
             raise AssertionError(f"{name}: rank {rank}'s tensor differs from eager's after dcp.load")
+    if order == "after":
+        # A real sharded model (eager FSDP2 / DTensor parameters) loads at once, its own blocks.
+        torch.manual_seed(0)
+        real = shard(MODELS[model_name](), layout)
+        load_checkpoint(real, path)
+        for name, t in list(real.named_parameters()) + list(real.named_buffers()):
+            if not torch.equal(_local(t), _local(expected[name])):
+                raise AssertionError(f"{name}: the real sharded model's tensor differs from dcp.load's")
     return {"headers": headers, "read": read, "own": own_bytes(model), "random": random}
 
 
