@@ -34,7 +34,7 @@ import os
 import torch
 
 from deferinit.boxes import as_box, intersect, slab
-from deferinit.errors import CheckpointError, CheckpointReadError
+from deferinit.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
 from .dcp_chunks import chunk_layout, read_into
 from .dcp_metadata import METADATA, read_metadata, tensors
@@ -81,6 +81,8 @@ class DcpCheckpoint:
             meta = read_metadata(self.path)
             infos = tensors(meta, self.path)
         except CheckpointError as e:
+            if error is CheckpointError and isinstance(e, CheckpointNotFoundError):
+                raise
             raise error(str(e)) from None
         except OSError as e:
             raise error(f"cannot read {self.path}: {e.strerror or e}") from None

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pathlib
@@ -31,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from deferinit.boxes import intersect
-from deferinit.errors import CheckpointError
+from deferinit.errors import CheckpointError, CheckpointNotFoundError
 
 METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
 
@@ -164,7 +165,7 @@ def tensors(meta, path: str) -> dict:
             info = storage.get(MetadataIndex(key, offsets))
             if info is None:
                 raise bad(f"has no storage record for its chunk at {list(offsets)}")
-            name = _file(info, path, files, bad)
+            name = _file(info, path, files, bad, key)
             begin, length = getattr(info, "offset", None), getattr(info, "length", None)
             if type(begin) is not int or type(length) is not int or begin < 0 or length < 0:
                 raise bad(f"has a chunk stored at offset {begin!r}, length {length!r}")
@@ -188,7 +189,7 @@ def _shape(x, bad, what) -> tuple:
     return tuple(x)
 
 
-def _file(info, path: str, files: dict, bad) -> str:
+def _file(info, path: str, files: dict, bad, key: str) -> str:
     """The chunk's file, a regular file inside ``path`` (no absolute path, no
     ``..``, no symbolic link leading out); its size is remembered in ``files``."""
     name = getattr(info, "relative_path", None)
@@ -206,7 +207,11 @@ def _file(info, path: str, files: dict, bad) -> str:
     try:
         st = os.stat(full)
     except OSError as e:
-        raise CheckpointError(f"cannot read {full}: {e.strerror or e} (named by {os.path.join(path, METADATA)}).") from None
+        message = f"cannot read {full}: {e.strerror or e} ({os.path.join(path, METADATA)} puts {key!r} in {name})."
+        if e.errno == errno.ENOENT:
+            # Also a FileNotFoundError, as for a file an index names.
+            raise CheckpointNotFoundError(message, full) from None
+        raise CheckpointError(message) from None
     if not os.path.isfile(full):
         raise bad(f"is stored in {name!r}, which is not a regular file")
     files[name] = st.st_size

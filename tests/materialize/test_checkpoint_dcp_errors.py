@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from deferinit import CheckpointError, CheckpointReadError, deferred_init, graph_of, is_deferred
+from deferinit import CheckpointError, CheckpointNotFoundError, CheckpointReadError, deferred_init, graph_of, is_deferred
 from materialize import load_checkpoint, materialize_module
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -113,6 +113,21 @@ def test_chunk_files_stay_inside_the_directory(ckpt, tmp_path, name, match):
     storage_of(meta, "0.weight").relative_path = name
     write_metadata(path, meta)
     refused(path, match)
+
+
+def test_a_missing_chunk_file_is_also_a_file_not_found_error(ckpt):
+    """As for a file an index names: code that catches FileNotFoundError
+    (written for torch.load, dcp.load) catches it too."""
+    path, _ = ckpt
+    meta = metadata(path)
+    storage_of(meta, "0.weight").relative_path = "missing.distcp"
+    write_metadata(path, meta)
+    m = deferred_init(build)
+    before = str(graph_of(m))
+    with pytest.raises(CheckpointNotFoundError, match="'0.weight' in missing.distcp") as info:
+        load_checkpoint(m, path)
+    assert isinstance(info.value, FileNotFoundError) and info.value.filename == os.path.join(path, "missing.distcp")
+    assert str(graph_of(m)) == before and is_deferred(m)
 
 
 def test_chunks_inside_their_files_and_tensors(ckpt):
