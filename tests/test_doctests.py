@@ -34,6 +34,7 @@ MODULES = [
     "deferinit.plan",
     "deferinit.holdings",
     "deferinit.regions",
+    "deferinit.boxes",
     "deferinit.effects",
     "deferinit.plain",
     "deferinit.liveness",
@@ -61,6 +62,7 @@ MODULES = [
     "materialize.checkpoint.torch_zip",
     "materialize.checkpoint.torch_pickle",
     "materialize.checkpoint.undo",
+    "materialize.checkpoint.fingerprints",
 ]
 
 
