@@ -33,7 +33,7 @@ from fake import fake_mode
 
 from .errors import UsageError
 from .fakedist import fake_ranks
-from .planreport import format_plan, module_rows
+from .planreport import format_plan, row_labels
 from .recipe import Recipe, blocks, check_master_weights, optimizer_class, plan_step, shard  # noqa: F401  (shard: FSDP2 as plan applies it)
 from .targets import build, parse_kwargs
 from .timeline import Timeline
@@ -225,7 +225,7 @@ def _write_pictures(opts, model, measured, call, device, report, out) -> None:
         from .memplot import timeline_html, timeline_svg
 
         target = device if device in measured.timeline.devices() else measured.timeline.devices()[0]
-        what = dict(title=f"{call}: one training step", row_of=_row_labels(model, measured),
+        what = dict(title=f"{call}: one training step", row_of=row_labels(model, measured),
                     subtitle=f"{target}: {report.splitlines()[0].partition(': ')[2]}")
         if opts.memory_timeline.lower().endswith(".svg"):
             text = timeline_svg(measured.timeline, target, **what)
@@ -234,25 +234,3 @@ def _write_pictures(opts, model, measured, call, device, report, out) -> None:
         with open(opts.memory_timeline, "w", encoding="utf-8") as f:
             f.write(text)
         print(f"wrote {opts.memory_timeline}: {target}'s memory over the step", file=out)
-
-
-def _row_labels(model, measured):
-    """``module name -> row label`` for the picture's module band: the rows of the report."""
-    names = measured.tracker._mod_tracker._known_modules
-    prefixes = {}
-    for label, modules in module_rows(model):
-        for m in modules:
-            if m in names:
-                prefixes[names[m]] = label
-    root = names.get(model, type(model).__name__)
-
-    def row_of(name: str) -> str:
-        while name:
-            if name in prefixes:
-                return prefixes[name]
-            if name == root:
-                return "(whole model)"
-            name = name.rpartition(".")[0]
-        return "(outside any module)"
-
-    return row_of

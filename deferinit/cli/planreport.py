@@ -144,3 +144,26 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
         f"forward {fmt_flops(forward)}, backward {fmt_flops(measured.flops - forward)}"
     )
     return "\n".join(lines)
+
+
+def row_labels(model, measured):
+    """``row_of(module name)``: the report's row (:func:`module_rows`) of a module the
+    step's tracker named, for the picture's module band."""
+    names = measured.tracker._mod_tracker._known_modules
+    prefixes = {}
+    for label, modules in module_rows(model):
+        for m in modules:
+            if m in names:
+                prefixes[names[m]] = label
+    root = names.get(model, type(model).__name__)
+
+    def row_of(name: str) -> str:
+        while name:
+            if name in prefixes:
+                return prefixes[name]
+            if name == root:
+                return "(whole model)"
+            name = name.rpartition(".")[0]
+        return "(outside any module)"
+
+    return row_of
