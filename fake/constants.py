@@ -169,10 +169,11 @@ def after(call, func, fake_type) -> None:
             continue  # a view of a known memory: it reads the same bytes
         if isinstance(value, torch.Tensor) and value.shape == shadow.shape and value.dtype == shadow.dtype:
             _keep(shadow, value)
+    mutated = {id(m) for m in call.mutated}
     for i, x in enumerate(call.flat):
         # An in-place write on the real values reached the kept bytes, unless
         # the kernel had to reallocate them (an out= of another size).
-        if isinstance(x, fake_type) and any(x is m for m in call.mutated):
+        if isinstance(x, fake_type) and id(x) in mutated:
             kept = _known(x.__dict__["_shadow"])
             if kept is not None and real[i].untyped_storage().data_ptr() != kept.data_ptr():
                 forget(x)
