@@ -111,11 +111,10 @@ def make_optimizer(recipe: Recipe, params, device: torch.device) -> torch.optim.
 
 
 def describe_optimizer(optimizer: torch.optim.Optimizer, recipe: Recipe) -> str:
-    """``AdamW foreach (lr=0.0001)``: the class, foreach/fused, and the arguments the recipe set."""
+    """``AdamW foreach (lr=0.0003)``: the class, foreach/fused, and the arguments the recipe gave."""
     defaults = optimizer.defaults
     flags = [f for f in ("foreach", "fused") if defaults.get(f)]
-    shown = {**{k: v for k, v in DEFAULT_ARGS.items() if k in defaults}, **recipe.optimizer_args}
-    shown = {k: v for k, v in shown.items() if k not in ("foreach", "fused")}
+    shown = {k: v for k, v in recipe.optimizer_args.items() if k not in ("foreach", "fused")}
     args = ", ".join(f"{k}={v!r}" for k, v in shown.items())
     return " ".join([type(optimizer).__name__, *flags]) + (f" ({args})" if args else "")
 
@@ -176,6 +175,8 @@ def prepare(model: torch.nn.Module, recipe: Recipe, mesh=None) -> list[str]:
     done = []
     if recipe.mixed_precision is not None:
         check_master_weights(model, recipe.mixed_precision)
+    if recipe.checkpointing and not getattr(model, "supports_gradient_checkpointing", False) and not blocks(model):
+        raise ValueError(f"{type(model).__name__} has no nn.ModuleList of blocks to checkpoint")
     if recipe.checkpointing:
         done.append("activation checkpointing: " + apply_checkpointing(model))
     if mesh is not None:
@@ -200,6 +201,9 @@ def plan_step(model, args, kwargs=None, recipe: Recipe | None = None, *, mesh=No
     """
     recipe = recipe or Recipe()
     kwargs = kwargs or {}
+    optimizer_class(recipe.optimizer)  # refused before the model is touched
+    if recipe.accumulate < 1:
+        raise ValueError(f"accumulate must be at least 1, got {recipe.accumulate}")
     done = prepare(model, recipe, mesh)
     params = list(model.parameters())
     device = _local(params[0]).device if params else torch.device("cpu")

@@ -229,12 +229,28 @@ def test_mixed_precision_keeps_fp32_masters_and_refuses_a_low_precision_build():
         plan_step(model, (torch.zeros(1, 4, dtype=torch.long),), {}, Recipe(mixed_precision=torch.bfloat16))
 
 
-@pytest.mark.parametrize("recipe, message", [
-    (Recipe(optimizer="adamz"), "no optimizer 'adamz' in torch.optim"),
-    (Recipe(optimizer="torch.nn:Linear"), "not a torch.optim.Optimizer subclass"),
-    (Recipe(checkpointing=True), "has no nn.ModuleList of blocks to checkpoint"),
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("make, recipe, message", [
+    (_Blocks, Recipe(optimizer="adamz", checkpointing=True), "no optimizer 'adamz' in torch.optim"),
+    (_Blocks, Recipe(optimizer="torch.nn:Linear", checkpointing=True), "not a torch.optim.Optimizer subclass"),
+    (_Blocks, Recipe(accumulate=0, checkpointing=True), "accumulate must be at least 1"),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), Recipe(checkpointing=True),
+     "Sequential has no nn.ModuleList of blocks to checkpoint"),
 ])
-def test_recipe_errors_name_the_fix(recipe, message):
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+def test_recipe_errors_name_the_fix(make, recipe, message):
+    """Refused before the model is touched: no checkpointing hooks were added."""
+    model = make()
+    before = [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
     with pytest.raises(ValueError, match=message):
         plan_step(model, (torch.randn(2, 4),), {}, recipe)
+    assert [(dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()] == before
