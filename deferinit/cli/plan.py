@@ -34,7 +34,7 @@ from fake import fake_mode
 from .errors import UsageError
 from .fakedist import fake_ranks
 from .planreport import format_plan, row_labels
-from .recipe import Recipe, blocks, check_master_weights, optimizer_class, plan_step, shard  # noqa: F401  (shard: FSDP2 as plan applies it)
+from .recipe import Recipe, blocks, check_master_weights, check_optimizer_args, optimizer_class, plan_step, shard  # noqa: F401  (shard: FSDP2 as plan applies it)
 from .targets import build, parse_kwargs
 from .timeline import Timeline
 
@@ -141,6 +141,10 @@ def recipe_of(opts) -> Recipe:
         args = parse_kwargs(opts.optimizer_arg)
     except UsageError as e:
         raise UsageError(str(e).replace("-k", "--optimizer-arg")) from None
+    try:
+        check_optimizer_args(Recipe(optimizer=opts.optimizer, optimizer_args=args))
+    except ValueError as e:
+        raise UsageError(f"--optimizer-arg: {e}") from None
     low = None
     if opts.mixed_precision is not None:
         low = _LOW.get(opts.mixed_precision.lower().removeprefix("torch."))

@@ -94,6 +94,18 @@ def optimizer_class(name) -> type:
     return cls
 
 
+def check_optimizer_args(recipe: Recipe) -> type:
+    """The recipe's optimizer class, once its arguments are ones it takes."""
+    cls = optimizer_class(recipe.optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        unknown = sorted(set(recipe.optimizer_args) - set(accepted) - {"self", "params"})
+        if unknown:
+            names = ", ".join(n for n in accepted if n not in ("self", "params"))
+            raise ValueError(f"{cls.__name__} takes no argument {', '.join(map(repr, unknown))} (it takes {names})")
+    return cls
+
+
 def make_optimizer(recipe: Recipe, params, device: torch.device) -> torch.optim.Optimizer:
     """The recipe's optimizer over ``params`` (a list), for tensors on ``device``."""
     cls = optimizer_class(recipe.optimizer)
@@ -201,7 +213,7 @@ def plan_step(model, args, kwargs=None, recipe: Recipe | None = None, *, mesh=No
     """
     recipe = recipe or Recipe()
     kwargs = kwargs or {}
-    optimizer_class(recipe.optimizer)  # refused before the model is touched
+    check_optimizer_args(recipe)  # refused before the model is touched
     if recipe.accumulate < 1:
         raise ValueError(f"accumulate must be at least 1, got {recipe.accumulate}")
     done = prepare(model, recipe, mesh)

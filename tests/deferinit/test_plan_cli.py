@@ -189,6 +189,8 @@ def test_plan_of_a_transformers_training_config(tmp_path):
     (["targets.py:tiny", "--batch", "2x3", "--mixed-precision", "int8"], "--mixed-precision 'int8': expected bf16 or fp16"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer", "adamz"], "--optimizer adamz: no optimizer 'adamz' in torch.optim"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer-arg", "lr"], "--optimizer-arg expects name=value"),
+    (["targets.py:tiny", "--batch", "2x3", "--optimizer", "sgd", "--optimizer-arg", "betas=(0.9,0.95)"],
+     "--optimizer-arg: SGD takes no argument 'betas' (it takes lr, momentum"),
     (["targets.py:tiny", "--batch", "2x3", "--accumulate", "0"], "--accumulate must be at least 1"),
     (["targets.py:CNN", "--input", "2x3x8x8", "--checkpointing"],
      "--checkpointing checkpoints each block of an nn.ModuleList, and CNN has none"),

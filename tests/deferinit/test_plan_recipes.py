@@ -244,6 +244,8 @@ class _Blocks(torch.nn.Module):
     (_Blocks, Recipe(optimizer="adamz", checkpointing=True), "no optimizer 'adamz' in torch.optim"),
     (_Blocks, Recipe(optimizer="torch.nn:Linear", checkpointing=True), "not a torch.optim.Optimizer subclass"),
     (_Blocks, Recipe(accumulate=0, checkpointing=True), "accumulate must be at least 1"),
+    (_Blocks, Recipe(optimizer_args={"bettas": (0.9, 0.95)}, checkpointing=True),
+     r"AdamW takes no argument 'bettas' \(it takes lr, betas, eps"),
     (lambda: torch.nn.Sequential(torch.nn.Linear(4, 4)), Recipe(checkpointing=True),
      "Sequential has no nn.ModuleList of blocks to checkpoint"),
 ])
