@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,5 +53,30 @@ bench: $(VENV)/.test
 	$(PIP) install --quiet --disable-pip-version-check -e '.[test,bench]'
 	$(PY) benchmarks/run_all.py
 
+# What only a GPU can check (tests/gpu, benchmarks/gpu_replay.py), in its own
+# environment with torch's CUDA build (TORCH_PIN from PyPI, with timm and the
+# matching torchvision, which need CUDA torch). Without an NVIDIA GPU it says
+# it skipped.
+GPU_VENV ?= .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+GPU_PINS := torchvision==0.28.0 timm
+
+gpu-check:
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory $(GPU_VENV)/.ready && $(GPU_PY) tools/gpu_check.py; \
+	else \
+		echo "gpu-check: skipped: no NVIDIA GPU on this machine (nvidia-smi finds none); make test exercises CUDA through fakes"; \
+	fi
+
+# A torch already on the machine is used when it is the pinned version with
+# CUDA; otherwise the pinned CUDA build comes from PyPI (--isolated: not the
+# CPU wheels a local pip configuration may point at).
+$(GPU_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_PY) -c "import sys, torch; sys.exit(not (torch.cuda.is_available() and torch.__version__.split('+')[0] == '$(patsubst torch==%,%,$(TORCH_PIN))'))" 2>/dev/null \
+		|| $(GPU_PY) -m pip install --quiet --isolated "$(TORCH_PIN)"
+	$(GPU_PY) -m pip install --quiet -e '.[test]' && $(GPU_PY) -m pip install --quiet --no-deps $(GPU_PINS)
+	touch $@
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache

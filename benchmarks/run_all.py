@@ -45,6 +45,13 @@ def main() -> None:
         output = module.main()
         print(output, flush=True)
         parts += [f"## {title} (`benchmarks/{name}.py`)", "", what, "", output, ""]
+    # The GPU section comes from make gpu-check on a machine with CUDA, not
+    # from this run: keep the one already written.
+    from gpu_replay import kept_section
+
+    gpu = kept_section(DOCS)
+    if gpu:
+        parts += [gpu]
     with open(DOCS, "w") as f:
         f.write("\n".join(parts).rstrip() + "\n")
     print(f"wrote {DOCS}")

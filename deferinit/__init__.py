@@ -25,6 +25,7 @@ from .errors import (
     AutogradMaterializationError,
     CheckpointError,
     CheckpointMismatchError,
+    CheckpointNotFoundError,
     CheckpointReadError,
     DataDependentError,
     DeferredInitError,
@@ -32,12 +33,16 @@ from .errors import (
     DeferredWriteError,
     DeviceUnavailableError,
     ExternalTensorMutatedError,
+    FSDP1DeferredModuleError,
     InferenceTensorInputError,
     MaterializationError,
     MixedFakeError,
+    PendingDrawsWarning,
     RecordingError,
     ReplayError,
 )
+from fake import handlers
+
 from .recorder import RECORDER
 from .session import deferred, deferred_init, is_deferred
 from .view import graph_of
@@ -57,13 +62,16 @@ __all__ = [
     "DeferredWriteError",
     "DeviceUnavailableError",
     "ExternalTensorMutatedError",
+    "FSDP1DeferredModuleError",
     "InferenceTensorInputError",
     "MaterializationError",
     "MixedFakeError",
+    "PendingDrawsWarning",
     "RecordingError",
     "ReplayError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointNotFoundError",
     "CheckpointReadError",
 ]
 
@@ -83,8 +91,18 @@ def _generator_state(stream, k):
     return generator_state(stream, k)
 
 
+def _explain_data_access(error, fake):
+    # Data accesses that a library's idiom explains (FSDP1 flattening deferred
+    # parameters it did not materialize) are named with their fix by the layer
+    # that holds the fix.
+    from materialize.fsdp1 import explain_data_access
+
+    return explain_data_access(error, fake)
+
+
 RECORDER.evaluate = _evaluate
 RECORDER.generator_state = _generator_state
+handlers.register_data_access_explainer(_explain_data_access)
 
 
 def __getattr__(name):
@@ -100,3 +118,8 @@ def __getattr__(name):
 
         return getattr(materialize, name)
     raise AttributeError(f"module 'deferinit' has no attribute {name!r}")
+
+
+from fake.compiling import skip_compiling as _skip_compiling  # noqa: E402
+
+_skip_compiling("deferinit")  # see fake/compiling.py

@@ -6,6 +6,9 @@ load is read in less than whole: only the parts of it that are read
 (:func:`load_parts`), or straight into the destination of a ``copy_`` that
 reads it (:func:`direct_copy`).
 
+A *load* (:func:`is_load`) is a checkpoint load node or a copy from a real
+tensor recorded after deferral.
+
 Example::
 
     >>> m = deferred_init(torch.nn.Linear, 2, 3)
@@ -51,6 +54,30 @@ def overwrites(node) -> bool:
         # start by drawing over the whole tensor.
         return True
     return node.kind == "op" and node.target in OVERWRITES
+
+
+def is_load(node) -> bool:
+    """Whether ``node`` puts values from outside the record over a whole tensor
+    after ``deferred_init`` returned: a checkpoint load, or a ``copy_`` from a
+    real tensor recorded then (``load_state_dict``'s ``param.copy_(input)``,
+    or any such copy).  The draws such a write hides are the initialization
+    it replaces: the generators do not wait for them (see
+    :mod:`deferinit.liveness`).  A copy made while constructing is part of
+    construction, not a load.
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 2)
+        >>> _ = m.load_state_dict({"weight": torch.ones(2, 2), "bias": torch.ones(2)})
+        >>> is_load(m.bias._storage.head)
+        True
+    """
+    if node.kind == "load":
+        return True
+    if not node.after_deferral or node.target is not aten.copy_.default or node.writes != (0,) or node.reshapes:
+        return False
+    source = node.flat[1] if len(node.flat) > 1 else None
+    return type(source) is Input and source.value.node.kind in ("external", "constant")
 
 
 def is_view(node) -> bool:

@@ -8,6 +8,9 @@ what to do about it.  The catalogue with causes and fixes is in
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class DeferredInitError(RuntimeError):
     """Base class of the errors raised while recording or replaying."""
@@ -54,6 +57,25 @@ class CheckpointError(DeferredInitError):
     corrupt header, a format it does not know.  Nothing was recorded or loaded."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint, or a file its index names, does not exist.  Also a
+    ``FileNotFoundError`` (``errno.ENOENT``, ``filename`` the path), as code
+    written for ``torch.load`` and safetensors expects.  Nothing was recorded
+    or loaded."""
+
+    def __init__(self, message: str, filename: str | None = None):
+        super().__init__(message)
+        self.errno = errno.ENOENT
+        self.strerror = os.strerror(errno.ENOENT)
+        self.filename = filename
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+    def __reduce__(self):
+        return type(self), (str(self), self.filename)
+
+
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the module: shapes differ, or (with
     ``strict=True``) keys are missing or unexpected.  Nothing was recorded or loaded."""
@@ -69,6 +91,28 @@ class DeferredWriteError(RecordingError):
     on a still-deferred model outside ``fake_mode``) wrote a deferred tensor."""
 
 
+class FSDP1DeferredModuleError(DeferredInitError):
+    """``FullyShardedDataParallel`` (FSDP1) flattened deferred parameters it did not
+    materialize: it was built outside ``materialize.distributed.fsdp1_hooks()``,
+    or its ``param_init_fn`` left them deferred."""
+
+
+#: How FSDP1 is built on a deferred model, for the messages that point to it.
+FSDP1_FIX = (
+    "Build the FSDP instance inside materialize.distributed.fsdp1_hooks(), which lets FSDP1 recognise "
+    "deferred modules and materialize each unit before flattening it: "
+    "`from materialize.distributed import fsdp1_hooks, param_init_fn`, then "
+    "`with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn, ...)` "
+    "(without param_init_fn, FSDP1 materializes each unit itself). See docs/sharded.md."
+)
+
+
 class DeferredModuleWarning(UserWarning):
     """A forward pass ran on a module that is still deferred, outside
     ``fake_mode``: it computed on fakes and was not recorded."""
+
+
+class PendingDrawsWarning(UserWarning):
+    """A real random draw from a default generator while a deferral's own draws
+    from it are still pending (not yet materialized): eagerly those came first,
+    so this draw and every later one from that generator differ from eager."""

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from fake.checks import check_arguments
-from fake.device import normalize
+from fake.checks import check_fill
+from fake.device import kind_of, normalize
 from fake.flat import flatten
 from fake.function import default_device
 from fake.opinfo import op_info
@@ -88,9 +88,9 @@ def _factory(op, keys):
             return NotImplemented
         if device is None:
             device = current_intended_device() or default_device()
-        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (kind_of(device) == "cpu"):
             device = normalize(device)
-        if device.type == "meta":
+        if kind_of(device) == "meta":
             return NotImplemented
         if dtype is None:
             dtype = torch.get_default_dtype()
@@ -135,6 +135,8 @@ def detach(record, args, kwargs):
     f["_record"] = d["_record"]
     f["_value"] = d["_value"]
     f["_storage"] = d["_storage"]
+    if "_data_alias" in d:  # detach shares the version counter
+        f["_data_alias"] = True
     return fake
 
 
@@ -178,7 +180,7 @@ def _fill(op):
                 return NotImplemented
         shadow = d["_shadow"]
         # Eager's argument checks, which meta kernels skip (fake.checks).
-        check_arguments(op, (shadow, *scalars), {"generator": generator} if generator is not None else {}, (shadow,))
+        check_fill(op, shadow, tuple(scalars), generator)
         shape = (len(scalars), generator is not None)
         spec = specs.get(shape)
         if spec is None:
@@ -192,6 +194,8 @@ def _fill(op):
         node = Node("op", op, flat, spec)
         _default_dtype_node(node)
         node.writes = (0,)
+        if "_data_alias" in d:
+            node.data_writes = (0,)
         if random:
             record.add_random(node, key_of_generator(generator) if generator is not None else d["_device"], storage)
         storage.head = node

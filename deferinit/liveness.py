@@ -25,9 +25,11 @@ Random draws whose results are dead still move the generator: a later live
 draw of the same stream may need the state they leave.  Those draws (and
 only those, with the ``extra`` draws a caller asks for to learn a stream's
 end) are replayed **for the generator**: in-place fills draw into scratch
-memory of the same geometry, freed at once.  Dead draws that a checkpoint
-load hides are marked ``hidden_by_load``: :mod:`materialize.generators` does
-not replay them to reach the end of a stream.
+memory of the same geometry, freed at once.  Dead draws that a *load* hides
+(a checkpoint load, or a ``copy_`` from a real tensor made after deferral,
+as ``load_state_dict`` makes: :func:`~deferinit.effects.is_load`) are
+marked ``hidden_by_load``: :mod:`materialize.generators` does not replay
+them to reach the end of a stream.
 
 Values whose storage is gone (temporaries nobody holds any more) and
 storages whose geometry changed in place (``t_()``, ``set_()``) are not
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from .effects import GEOMETRY_ONLY, allocatable, direct_copy, is_view, load_parts, overwrites, root_value
+from .effects import GEOMETRY_ONLY, allocatable, direct_copy, is_load, is_view, load_parts, overwrites, root_value
 from .graph import Input, version_seq
 from .regions import Region
 
@@ -83,8 +85,8 @@ class Liveness:
         # ``extra``: draws replayed only for the state they leave (the ends of
         # streams, see materialize/generators.py).
         self._settle({id(n) for n in extra})
-        if any(n.kind == "load" for n in universe.values()):
-            # What the checkpoint loads hide: the generators do not wait for
+        if any(is_load(n) for n in universe.values()):
+            # What the loads hide: the generators do not wait for
             # those draws (they are the initialization a load replaces).
             for nid in self._hidden_by_loads():
                 node = universe[nid]
@@ -102,10 +104,14 @@ class Liveness:
             gen = gen | new
 
     def _hidden_by_loads(self) -> set:
-        """The nodes that are dead only because checkpoint loads overwrite their
-        results (live if loads read what they write over)."""
-        without = self._scan(set(), loads_hide=False)["live"]
-        return {nid for nid in without if nid not in self.live}
+        """The nodes that are dead, or only allocated, because loads (a checkpoint,
+        ``load_state_dict``) overwrite their results (they run if loads read what
+        they write over): a random factory a load fills is allocated, not drawn."""
+        without = self._scan(set(), loads_hide=False)
+        return {
+            nid for nid in without["live"]
+            if nid not in self.live or (self.modes.get(nid) == ALLOC and without["modes"].get(nid) != ALLOC)
+        }
 
     # -- the backward scan ------------------------------------------------------
 
@@ -238,7 +244,7 @@ class Liveness:
 
             # What it does to the demands: writes first (they happen last), then reads.
             scratch = set()
-            overwriting = overwrites(node) and (loads_hide or node.kind != "load")
+            overwriting = overwrites(node) and (loads_hide or not is_load(node))
             for p, w in zip(node.writes, written):
                 if type(w) is not Input:
                     continue

@@ -29,13 +29,16 @@ Everything else is recorded as before.
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
+
+from torch.nn import Module
 
 from fake.state import in_fake_mode
 from fake.tensor import FakeTensor, describe
 
-from .errors import DeferredModuleWarning, DeferredWriteError
+from .errors import FSDP1_FIX, DeferredModuleWarning, DeferredWriteError
 from .where import tensor_name, training
 
 # Modules already warned about (once each).
@@ -63,6 +66,7 @@ def computes_plain(func, info, args, kwargs) -> bool:
     if in_fake_mode():
         return True
     module, optimizer, backward = training()
+    module = _compiled_from(module)
     if module is None and optimizer is None and not backward:
         if not _has_plain_fake(args, kwargs):
             return False
@@ -76,8 +80,26 @@ def computes_plain(func, info, args, kwargs) -> bool:
     return True
 
 
+def _compiled_from(module):
+    """The model ``torch.compile(model)`` wrapped (its ``OptimizedModule`` runs
+    ``model``'s forward), so that a compiled call warns as the plain one does."""
+    inner = getattr(module, "_orig_mod", None) if module is not None else None
+    return inner if isinstance(inner, Module) else module
+
+
 def _warning(module) -> str:
     cls = type(module).__name__
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
+    if fsdp1 is not None and isinstance(module, fsdp1):
+        # One rank (NO_SHARD): FSDP1 never reads the flat parameter's memory, so
+        # the missing fsdp1_hooks() shows only here.
+        return (
+            f"{cls} (FSDP1) wraps a module that is still deferred, so this forward pass computes on fake "
+            "tensors: FSDP1 recognises deferred modules only inside materialize.distributed.fsdp1_hooks(), "
+            f"and did not materialize it. Build the model again (deferred_init), then: {FSDP1_FIX} "
+            "Shown once per module."
+        )
     return (
         f"{cls} is still deferred: its parameters and buffers have no values yet, so this "
         "forward pass computes on fake tensors (shapes only) and is not recorded. Call "

@@ -25,8 +25,8 @@ import torch
 
 from .graph import event_seq, peek_seq
 from .rng import (
-    CPU, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_fingerprint, fingerprint, generator_of, get_state,
-    gettable, new_tag, seeded_state, set_state,
+    CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_seed, fingerprint, generator_of,
+    get_state, gettable, initialized_generators, new_tag, seeded_state, set_state,
 )
 
 _ids = itertools.count(1)
@@ -36,7 +36,7 @@ class Record:
     """The session state of one ``deferred_init`` call (nested calls share it)."""
 
     __slots__ = (
-        "id", "label", "base", "streams", "entry", "exit", "parents", "open", "markers",
+        "id", "label", "base", "streams", "entry", "entry_seed", "exit", "parents", "open", "markers",
         "seeds", "__weakref__",
     )
 
@@ -47,7 +47,12 @@ class Record:
         self.base = peek_seq()
         self.streams: dict = {}
         # Real generator states when recording started / stopped, by stream key.
-        self.entry: dict = {CPU: get_state(torch._C.default_generator)}
+        # The CPU stream starts from its entry state, whatever other threads
+        # draw meanwhile; its seed then, for _observe (read in this order: a
+        # seed another thread sets in between is told apart).
+        epoch = FOREIGN.epoch
+        self.entry: dict = {CPU: get_state(CPU_GENERATOR)}
+        self.entry_seed = (epoch, current_seed(CPU_GENERATOR))
         self.exit: dict = {}
         # Records whose tensors fed ops of this one: kept alive with it.
         self.parents: set = set()
@@ -80,14 +85,19 @@ class Record:
             if state is not None:
                 stream.events[0] = (event_seq(), OBSERVED, state)
         else:
-            state = get_state(stream.generator) if stream.generator is not None else None
+            state = self.entry.get(key)
+            if state is None and stream.generator is not None:
+                state = get_state(stream.generator)
             previous = CHAINS.find(key, state)
             if previous is not None:
                 stream.after = previous  # two models deferred back to back
             elif state is not None:
                 stream.events[0] = (event_seq(), OBSERVED, state)
         if stream.generator is not None and self.open:
-            stream.observed = current_fingerprint(stream.generator)
+            if key == CPU:
+                stream.since, stream.observed = self.entry_seed
+            else:
+                stream.since, stream.observed = FOREIGN.epoch, current_seed(stream.generator)
 
     def _latest_seed(self, key):
         for seq, kind, seed in reversed(self.seeds):
@@ -125,14 +135,48 @@ class Record:
         if type(key) is GeneratorKey:
             self._mark(stream, index, gen)
             return
-        real = current_fingerprint(gen)
-        if stream.observed is not None and real != stream.observed:
-            # Set by a C++ call (torch._C.default_generator.manual_seed, ...)
-            # since the last draw: eager draws from that state too.
-            stream.event(index, SET, get_state(gen))
-        stream.observed = real
+        self._observe(stream, index)
+
+    def _observe(self, stream: Stream, k: int) -> None:
+        """Notice, right before draw ``k``, that this thread set a default generator
+        by a call torch's Python API does not see (``manual_seed`` on a
+        reference to the generator object kept from before recording,
+        ``torch.cuda.default_generators[i]``): eager draws from that state.
+
+        Only the seed is compared (the cheap check of every draw): draws do
+        not change it, so another thread drawing from the shared generator
+        is not taken for this thread's doing, and seeds other threads set
+        through torch's API are told apart (:data:`FOREIGN`)."""
+        since = FOREIGN.epoch
+        seed = current_seed(stream.generator)
+        if seed != stream.observed and stream.observed is not None:
+            if not FOREIGN.explains(stream.key, seed, stream.since):
+                stream.event(k, SET, get_state(stream.generator))
+            stream.observed = seed
+        stream.since = since
+
+    def observe(self, key) -> None:
+        """Bring the stream of ``key`` up to date with what this thread did to its
+        generator since the last draw, before answering ``get_rng_state`` or
+        ``initial_seed``, or computing the state the next draw starts from
+        (a random op on a real tensor, :mod:`deferinit.realdraws`)."""
+        stream = self.streams.get(key)
+        if stream is None or not self.open or stream.generator is None:
+            return
+        if type(key) is GeneratorKey:
+            self._check_mark(stream, len(stream.nodes), stream.generator)
+        elif stream.observed is not None:
+            self._observe(stream, len(stream.nodes))
 
     def _mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
+        self._check_mark(stream, index, gen)
+        tag = new_tag()
+        torch._C.Generator.manual_seed(gen, tag)
+        self.markers[tag] = (stream, index)
+
+    def _check_mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
+        """What user code did to explicit generator ``gen`` since draw ``index - 1``
+        (idempotent until the generator is marked again)."""
         mark = self.markers.get(torch._C.Generator.initial_seed(gen))
         if mark is not None and mark[0] is stream:
             if mark[1] != index - 1:
@@ -142,9 +186,6 @@ class Record:
             state = get_state(gen)
             stream.event(index, SET if index else OBSERVED, state)
             stream.base = state
-        tag = new_tag()
-        torch._C.Generator.manual_seed(gen, tag)
-        self.markers[tag] = (stream, index)
 
     def close(self) -> None:
         """Recording stopped: unmark the explicit generators, remember the real states."""
@@ -183,8 +224,7 @@ class Record:
         gen = generator_of(key)
         stream = self.streams.get(key)
         if stream is not None and stream.observed is not None:
-            if current_fingerprint(gen) != stream.observed:
-                stream.event(len(stream.nodes), SET, get_state(gen))  # set by a C++ call after the last draw
+            self._observe(stream, len(stream.nodes))  # set by a C++ call after the last draw
         latest = self._latest_seed(key)
         if stream is not None:
             for k, event in stream.events.items():
@@ -194,7 +234,7 @@ class Record:
             return
         state = latest[2] if latest[1] == SET else seeded_state(key, latest[2])
         if fingerprint(get_state(gen)) != fingerprint(state):
-            set_state(gen, state)
+            FOREIGN.set_state(gen, state)
 
     @property
     def chained(self) -> bool:
@@ -247,6 +287,56 @@ class Chains:
 
 
 CHAINS = Chains()
+
+
+class Foreign:
+    """The seeds other threads gave the default generators through torch's API
+    (``torch.manual_seed``, ``set_rng_state``...) while some thread records.
+
+    A recording thread notices C++-level changes of a default generator by
+    its seed (:meth:`Record._observe`); a seed another thread set is not this
+    thread's doing, and its record must not follow it.  Those threads' calls
+    are diverted (:mod:`deferinit.seeding`) to :meth:`setting`, which makes
+    the change and logs the seeds that result, under one lock: a recording
+    thread that sees a new seed takes the lock, so the change is logged
+    before it looks.
+    """
+
+    _KEEP = 64  # sets remembered per generator
+
+    def __init__(self):
+        # Reentrant: torch.manual_seed calls torch.cuda.manual_seed_all, diverted too.
+        self._lock = threading.RLock()
+        self._log: dict = {}
+        self.epoch = 0
+
+    def setting(self, original, *args, **kwargs):
+        """``original(*args, **kwargs)``, a call of another thread that sets generators."""
+        with self._lock:
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.epoch += 1
+                for key, gen in initialized_generators():
+                    log = self._log.setdefault(key, [])
+                    log.append((self.epoch, current_seed(gen)))
+                    del log[: -self._KEEP]
+
+    def set_state(self, gen: torch.Generator, state: torch.Tensor) -> None:
+        """Put default generator ``gen`` in ``state`` for deferinit's own ends (a
+        record closing settles it, a materialization hands it over, a replay
+        borrows it for an operator without a ``generator`` argument): logged as
+        another thread's call is, so that no thread recording meanwhile takes
+        the seed that comes with ``state`` for its own doing."""
+        self.setting(set_state, gen, state)
+
+    def explains(self, key, seed: int, since: int) -> bool:
+        """Whether another thread gave ``key``'s generator ``seed`` after epoch ``since``."""
+        with self._lock:
+            return any(epoch > since and s == seed for epoch, s in self._log.get(key, ()))
+
+
+FOREIGN = Foreign()
 
 
 class _Local(threading.local):

@@ -44,13 +44,17 @@ _tags = itertools.count(random.SystemRandom().getrandbits(40) << 23)
 OBSERVED, SET, SEED, SAME = "observed", "set", "seed", "same"
 
 CPU = torch.device("cpu")
+# The real default CPU generator, taken before anything is diverted: while a
+# thread records, torch.default_generator and torch._C.default_generator are
+# that thread's stand-in (deferinit.seeding).
+CPU_GENERATOR = torch._C.default_generator
 
 
 def default_generator(device: torch.device) -> torch.Generator | None:
     """The default generator of ``device``; None where the device does not exist."""
     device = normalize(device)
     if device.type == "cpu":
-        return torch._C.default_generator
+        return CPU_GENERATOR
     if not exists(device):
         return None
     module = getattr(torch, device.type, None)
@@ -96,6 +100,15 @@ class GeneratorKey:
 
     def __repr__(self) -> str:
         return f"GeneratorKey({self.generator.device})"
+
+
+def initialized_generators():
+    """``(key, generator)`` for the default generators that exist now without
+    initializing a backend (CPU, and CUDA's once CUDA is initialized)."""
+    yield CPU, CPU_GENERATOR
+    if torch.cuda.is_initialized():
+        for i, gen in enumerate(torch.cuda.default_generators):
+            yield torch.device("cuda", i), gen
 
 
 def key_of_generator(generator: torch.Generator):
@@ -157,10 +170,10 @@ def fingerprint(state: torch.Tensor) -> bytes:
         return state.numpy().tobytes()
 
 
-def current_fingerprint(gen: torch.Generator) -> bytes:
-    """The bytes of ``gen``'s state now (cheap enough to run at every recorded draw)."""
-    with torch._C._DisableTorchDispatch():
-        return torch._C.Generator.get_state(gen).numpy().tobytes()
+#: ``current_seed(gen)``: the seed ``gen`` was last given (manual_seed, seed, or a
+#: state set): a C call without allocation, cheap enough for every recorded
+#: draw.  Draws do not change it, so another thread's draws go unnoticed.
+current_seed = torch._C.Generator.initial_seed
 
 
 def same_state(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -205,7 +218,7 @@ class Stream:
 
     __slots__ = (
         "key", "nodes", "events", "post", "after", "record", "record_id", "ref", "generator",
-        "observed", "base", "merged", "__weakref__",
+        "observed", "since", "base", "merged", "__weakref__",
     )
 
     def __init__(self, key, record=None):
@@ -221,10 +234,12 @@ class Stream:
         # draw d -> the exact state right after it (learned by replay).
         self.post: dict[int, torch.Tensor] = {}
         self.after: Stream | None = None
-        # The real state last seen while recording (tells states set by C++
-        # calls between draws); for explicit generators, the real state to give
-        # back when recording stops (they are marked, see Record.add_random).
+        # The seed last seen while recording (tells seeds set by C++ calls
+        # between draws), and deferinit.record.FOREIGN's epoch then.
         self.observed = None
+        self.since = 0
+        # For explicit generators, the real state to give back when recording
+        # stops (they are marked, see Record.add_random).
         self.base = None
         # Post states of replays merging this stream with others (a device
         # remap), by (target, streams merged); kept by the group's first stream.

@@ -15,14 +15,20 @@ default generators is diverted in the recording thread (and only there):
 * reading (``get_rng_state``, ``initial_seed``) answers with the state eager
   construction would have reached at this point, replaying the draws made so
   far into scratch memory when it is not known yet;
-* ``torch.default_generator`` is, in the recording thread, a stand-in whose
-  methods do the same (``clone_state()`` gives a generator in eager's
-  state), and which ops passed ``generator=torch.default_generator`` treat as
-  the default generator.
+* ``torch.default_generator`` (and ``torch._C.default_generator``,
+  ``torch.random.default_generator``) is, in the recording thread, a
+  stand-in whose methods do the same (``clone_state()`` gives a generator in
+  eager's state), and which ops passed ``generator=torch.default_generator``
+  treat as the default generator.
 
-In other threads the diverted functions do exactly what they did; setting a
-generator there also tells :data:`deferinit.record.CHAINS` that the next
-record must not continue the last one's stream.
+The recording thread's view of a default generator is its own: it starts
+from the state the generator had when recording started, and moves only by
+what this thread does.  Other threads draw from the real generator (their
+draws do not reach this record), and the diverted functions do exactly what
+they did there; setting a generator there also tells
+:data:`deferinit.record.CHAINS` that the next record must not continue the
+last one's stream, and :data:`deferinit.record.FOREIGN` which seed it
+set, so that no recording thread takes it for its own.
 
 Example::
 
@@ -48,9 +54,11 @@ from fake.device import normalize
 from fake.tensor import FakeTensor
 
 from .patches import SharedPatch
-from .record import CHAINS, Record, current_record
+from .record import CHAINS, FOREIGN, Record, current_record
 from .recorder import RECORDER
-from .rng import CPU, SAME, SEED, SET, register_stand_in, scratch_generator, seed_of_state, seeded_state
+from .rng import (
+    CPU, CPU_GENERATOR, SAME, SEED, SET, register_stand_in, scratch_generator, seed_of_state, seeded_state,
+)
 
 _C = torch._C.Generator
 
@@ -61,6 +69,7 @@ _C = torch._C.Generator
 def state_now(record: Record, device: torch.device) -> torch.Tensor:
     """The state the default generator of ``device`` would have now, eagerly."""
     stream = record.stream(device)
+    record.observe(device)
     k = len(stream.nodes)
     fact, _ = stream.state_before(k)
     if isinstance(fact, tuple):
@@ -82,6 +91,7 @@ def seed_now(record: Record, device: torch.device) -> int:
     """The ``initial_seed()`` the default generator of ``device`` would report now
     (draws do not change it: the nearest earlier fact answers)."""
     stream = record.stream(device)
+    record.observe(device)
     k = len(stream.nodes)
     while True:
         event = stream.events.get(k)
@@ -149,30 +159,30 @@ class DefaultGeneratorStandIn(torch.Generator):
     def manual_seed(self, seed):
         record = self._recording()
         if record is None:
-            return _C.manual_seed(torch._C.default_generator, seed)
+            return _C.manual_seed(CPU_GENERATOR, seed)
         record.seed(_check_seed(seed), device=CPU)
         return self
 
     def seed(self):
         record = self._recording()
         if record is None:
-            return _C.seed(torch._C.default_generator)
+            return _C.seed(CPU_GENERATOR)
         seed = _new_seed()
         record.seed(seed, device=CPU)
         return seed
 
     def initial_seed(self):
         record = self._recording()
-        return seed_now(record, CPU) if record is not None else _C.initial_seed(torch._C.default_generator)
+        return seed_now(record, CPU) if record is not None else _C.initial_seed(CPU_GENERATOR)
 
     def get_state(self):
         record = self._recording()
-        return state_now(record, CPU) if record is not None else _C.get_state(torch._C.default_generator)
+        return state_now(record, CPU) if record is not None else _C.get_state(CPU_GENERATOR)
 
     def set_state(self, new_state):
         record = self._recording()
         if record is None:
-            return _C.set_state(torch._C.default_generator, new_state)
+            return _C.set_state(CPU_GENERATOR, new_state)
         _set_state(record, CPU, new_state)
         return self
 
@@ -193,15 +203,15 @@ def _stand_in(record: Record) -> DefaultGeneratorStandIn:
 _STAND_INS: dict[int, DefaultGeneratorStandIn] = {}
 
 
-class _TorchModule(types.ModuleType):
-    """The class of the ``torch`` module while a thread records: only
-    ``default_generator`` differs, and only in recording threads."""
+class _DivertedModule(types.ModuleType):
+    """The class of ``torch``, ``torch._C`` and ``torch.random`` while a thread
+    records: only ``default_generator`` differs, and only in recording threads."""
 
     @property
     def default_generator(self):
         record = current_record()
         if record is None:
-            return torch._C.default_generator
+            return vars(self).get("default_generator", CPU_GENERATOR)
         return _stand_in(record)
 
     @default_generator.setter
@@ -222,6 +232,7 @@ def _diverted(original, virtual, sets: bool):
         if record is None:
             if sets:
                 CHAINS.bump()
+                return FOREIGN.setting(original, *args, **kwargs)
             return original(*args, **kwargs)
         return virtual(record, original, *args, **kwargs)
 
@@ -338,20 +349,21 @@ FUNCTIONS = (
     SharedPatch(_cuda_random, _replacements(_CUDA)),
     SharedPatch(lambda: torch.cuda, _replacements(_CUDA)),
 )
-MODULE_CLASS = SharedPatch(lambda: torch, lambda module: {"__class__": _TorchModule})
+MODULE_CLASSES = tuple(
+    SharedPatch(module, lambda m: {"__class__": _DivertedModule})
+    for module in (lambda: torch, lambda: torch._C, lambda: torch.random)
+)
 
 
 class installed:
     """Divert the generator API while this thread records (nesting and threads safe)."""
 
     def __enter__(self):
-        for patch in FUNCTIONS:
+        for patch in FUNCTIONS + MODULE_CLASSES:
             patch.acquire()
-        MODULE_CLASS.acquire()
 
     def __exit__(self, *exc):
-        MODULE_CLASS.release()
-        for patch in reversed(FUNCTIONS):
+        for patch in reversed(FUNCTIONS + MODULE_CLASSES):
             patch.release()
 
 

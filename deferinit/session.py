@@ -10,7 +10,7 @@ import torch
 
 from fake.mode import fake_modes
 
-from . import patches, seeding
+from . import patches, pending, seeding
 from .holdings import module_tensors
 from .record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
@@ -89,6 +89,7 @@ def _recording(label: str, note: str):
             record.close()
             if record.chained:
                 seeding.hold_while_alive(record)
+            pending.watch(record)
 
 
 def _label(fn) -> str:

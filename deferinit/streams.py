@@ -26,10 +26,12 @@ class ReplayStream:
     is shared with the record, so what a replay learns serves the next);
     ``prev`` is the replay stream of the record this one continues; ``left``
     lists the states the real generator may still be in when nothing drew
-    from it since deferral (see :mod:`materialize.generators`).
+    from it since deferral (see :mod:`materialize.generators`); ``planned``
+    the positions of the draws the replay's reads depend on, if only for
+    their geometry (the plan fills it).
     """
 
-    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator", "sources")
+    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator", "sources", "planned")
 
     def __init__(self, key, device, nodes, events, post, *, prev=None, left=(), sources=()):
         self.key = key
@@ -44,6 +46,7 @@ class ReplayStream:
         # The record streams replayed (kept alive: their nodes point back to
         # them weakly, and a replay after the record died still needs them).
         self.sources = list(sources)
+        self.planned: set[int] = set()
 
     def needs(self, k: int):
         """The draws to replay so that the state right before draw ``k`` is known."""
@@ -117,7 +120,18 @@ def replay_streams(streams: list[Stream], device_map) -> dict:
     for stream in streams:
         record = stream.record() if stream.record is not None else None
         target = device_map.stream_key(stream.key)
-        by_target.setdefault((id(record), target), (record, target, []))[2].append(stream)
+        group = by_target.setdefault((id(record), target), (record, target, []))[2]
+        if all(stream is not s for s in group):
+            group.append(stream)
+    if device_map.target is not None:
+        # Eager construction on the target device draws every one of the
+        # record's device streams from its generator, in recorded order: a
+        # draw of one stream needs the draws of the others made before it.
+        for record, target, group in by_target.values():
+            for key, stream in (record.streams.items() if record is not None else ()):
+                if type(key) is torch.device and device_map.stream_key(key) == target:
+                    if all(stream is not s for s in group):
+                        group.append(stream)
     for record, target, group in by_target.values():
         if len(group) == 1 and group[0].key == target:
             _own(group[0], result)

@@ -17,6 +17,9 @@ from .storage import FakeStorage
 from .tensor import FakeTensor, is_fake, meta_like
 from . import dispatch as _dispatch  # noqa: F401  (installs the plain handler)
 from .mode import fake_mode
+from . import assign as _assign
+
+_assign.install()  # real.data = fake: see fake/assign.py
 
 __all__ = [
     "FakeStorage",
@@ -29,3 +32,7 @@ __all__ = [
     "is_fake",
     "meta_like",
 ]
+
+from .compiling import skip_compiling as _skip_compiling
+
+_skip_compiling("fake")  # torch.compile runs our code as written: see fake/compiling.py

@@ -64,9 +64,10 @@ class _Facts:
     """Whether an operator's checks are made on small stand-ins, and with which
     overload (one taking a generator, for a random one), once per overload."""
 
-    __slots__ = ("small", "call", "geometry_only")
+    __slots__ = ("func", "small", "call", "geometry_only")
 
     def __init__(self, func):
+        self.func = func
         args = func._schema.arguments
         names = {a.name for a in args}
         random = torch.Tag.nondeterministic_seeded in func.tags
@@ -94,13 +95,15 @@ def _with_generator(func):
     return None
 
 
+# By id: an OpOverload hashes in Python (hash(self._op)), and operators live
+# as long as the process (their packets keep them).
 _facts: dict = {}
 
 
 def _facts_of(func) -> _Facts:
-    facts = _facts.get(func)
-    if facts is None:
-        facts = _facts[func] = _Facts(func)
+    facts = _facts.get(id(func))
+    if facts is None or facts.func is not func:
+        facts = _facts[id(func)] = _Facts(func)
     return facts
 
 
@@ -125,6 +128,33 @@ def check_arguments(func, args, kwargs, written=()) -> None:
             break
 
 
+_fills_passed: set = set()
+
+
+def check_fill(func, tensor: torch.Tensor, scalars: tuple, generator=None) -> None:
+    """``check_arguments`` of an in-place fill ``tensor.func(*scalars)`` (what every
+    ``nn.init`` function ends in), with one flat cache in front: a model
+    records thousands of fills of a few kinds, and building the general key
+    cost more than the rest of recording the fill.
+
+    Example::
+
+        >>> t = torch.empty(2, 2, device="meta")
+        >>> check_fill(torch.ops.aten.uniform_.default, t, (1.0, 0.0))
+        Traceback (most recent call last):
+        RuntimeError: uniform_ expects to return a [from, to) range, but found from=1 > to=0
+    """
+    if not tensor.is_contiguous():
+        check_arguments(func, (tensor, *scalars), {"generator": generator} if generator is not None else {}, (tensor,))
+        return
+    # Types too: 1, 1.0 and True are equal keys otherwise.
+    key = (id(func), tensor.dtype, tensor.shape, generator is None, scalars, tuple(map(type, scalars)))
+    if key in _fills_passed:
+        return
+    check_arguments(func, (tensor, *scalars), {"generator": generator} if generator is not None else {}, (tensor,))
+    _fills_passed.add(key)
+
+
 def _small_shape(t: torch.Tensor) -> tuple:
     # At most 2 per dimension: rank, emptiness and "one element" (a fast
     # path in some kernels) are kept.
@@ -134,26 +164,28 @@ def _small_shape(t: torch.Tensor) -> tuple:
 _SCALAR_TYPES = frozenset({float, int, bool})
 
 
-def _part(x):
+def _add_part(key: list, x) -> None:
+    # Flat (kind, value) pairs: the key of every recorded fill, kept cheap.
     t = type(x)
     if t in _SCALAR_TYPES or x is None:
-        return (t, x)
-    if isinstance(x, torch.Tensor):
-        return (x.dtype, x.shape)
-    if isinstance(x, (torch.Generator, torch.device)):
-        return type(x)
-    if isinstance(x, list):
-        return tuple(x)
-    return (type(x), x)
+        key += (t, x)  # the type too: 1, 1.0 and True are equal keys otherwise
+    elif isinstance(x, torch.Tensor):
+        key += (x.dtype, x.shape)
+    elif isinstance(x, (torch.Generator, torch.device)):
+        key += (type(x), None)
+    elif isinstance(x, list):
+        key += (list, tuple(x))
+    else:
+        key += (t, x)
 
 
 def _key(func, args, kwargs):
-    key = [func]
+    key = [id(func)]
     for x in args:
-        key.append(_part(x))
+        _add_part(key, x)
     for name, x in kwargs.items():
         key.append(name)
-        key.append(_part(x))
+        _add_part(key, x)
     return tuple(key)
 
 

@@ -13,7 +13,7 @@ import torch
 from . import constants, handlers, metacache
 from .bypass import no_python_dispatch
 from .checks import check_arguments
-from .device import CPU, META, common_device, normalize
+from .device import CPU, META, common_device, kind_of, normalize
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
 from .opinfo import OpInfo, op_info
@@ -87,9 +87,9 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
                 device = x.__dict__["_device"]
             else:
                 device = x.device
-                if device.type != "meta":
+                if kind_of(device) != "meta":
                     metas[i] = convert_real(x) if convert_real is not None else meta_twin(x)
-            tensor_devices.append((device, device.type == "cpu" and x.dim() == 0))
+            tensor_devices.append((device, kind_of(device) == "cpu" and x.dim() == 0))
         elif type(x) is torch.device:
             metas[i] = META
 
@@ -97,9 +97,10 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
     explicit = kwargs.get("device") if kwargs else None
     if explicit is not None:
         device = normalize(explicit)
-        if device.type == "meta":
+        kind = kind_of(device)
+        if kind == "meta":
             device = current_intended_device() or META
-        elif device.type == "cpu":
+        elif kind == "cpu":
             device = _options_device(tensor_devices) or device
     if device is None:
         if len(tensor_devices) == 1:
@@ -108,7 +109,8 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
             device = common_device(info.opname, tensor_devices) or CPU
 
     margs, mkwargs = unflatten(metas, spec)
-    if device.type != "meta":
+    is_meta = kind_of(device) == "meta"
+    if not is_meta:
         # What eager kernels reject and meta kernels let through (fake.checks).
         check_arguments(func, margs, mkwargs, info.written(margs, mkwargs) if info.writes else ())
 
@@ -130,7 +132,7 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
         result = _without_meta_kernel(func, margs, mkwargs, e)
     mutated: list = []
     fresh: list = []
-    if device.type == "meta":
+    if is_meta:
         # The caller asked for meta explicitly: meta it is, not fake.
         return Call(info, flat, spec, result, device, mutated, fresh, [])
 
@@ -303,6 +305,9 @@ class FakeHandler:
         if value is None:
             raise FakeDataAccessError(operation, describe(fake))
         return compute(value)
+
+    def requires_grad_changed(self, fake) -> None:
+        """After ``requires_grad_`` on ``fake`` (the recorder notes it)."""
 
     def set_data(self, fake, new) -> None:
         """``fake.data = new``: the fake takes ``new``'s geometry and shadow."""

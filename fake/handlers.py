@@ -52,3 +52,26 @@ def for_args(args, kwargs):
                 if _is_deferred(a):
                     return _deferred
     return _plain
+
+
+_explainer = None
+
+
+def register_data_access_explainer(fn) -> None:
+    """Install ``fn(error, fake)`` (done by ``deferinit``): for a data or memory
+    access on a recorded fake, it returns an error that says better why the
+    access happened and what fixes it (a library's idiom that missed a step),
+    or None to keep ``error``."""
+    global _explainer
+    _explainer = fn
+
+
+def explain_data_access(error, fake):
+    """``error`` (a :class:`~fake.errors.FakeDataAccessError` about ``fake``), or
+    the registered explainer's better one when ``fake`` is recorded."""
+    if _explainer is not None and _is_deferred(fake):
+        better = _explainer(error, fake)
+        if better is not None:
+            better.__cause__ = error
+            return better
+    return error

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import handlers
 from .copying import deepcopy_tensor
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
-from .device import backend_device
+from .reads import READS, read, reads_memory
+from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
 from .subclass import accepting_fakes
 from .tensor import FakeTensor
@@ -37,7 +38,7 @@ _parse_to = torch._C._nn._parse_to
 
 
 # Calls that may need a device rewritten even without keyword arguments.
-_HANDLED = CONSTRUCTORS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__}
+_HANDLED = CONSTRUCTORS | READS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__}
 
 
 class FakeFunctionMode(TorchFunctionMode):
@@ -59,7 +60,9 @@ class FakeFunctionMode(TorchFunctionMode):
         self.bodies: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        meant = _backend_stands_for(args) if type(func) not in _OPERATORS else None
+        if func in _PLAIN:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        meant = _backend_stands_for(args) if BACKENDLESS and type(func) not in _OPERATORS else None
         if meant is not None:
             with backend_stands_for(meant):
                 return self.__torch_function__(func, types, args, kwargs)
@@ -80,6 +83,11 @@ class FakeFunctionMode(TorchFunctionMode):
             # inside deferred_init): its copy is fake, laid out as eager's.
             return deepcopy_tensor(args[0], args[1])
         if type(func) is FunctionType and _skip_one_hop is not None:
+            original = getattr(func, "__deferinit_stands_for__", None)
+            if original is not None:
+                # A diversion standing for a builtin (deferinit.pending): the
+                # builtin is what is meant, fast paths included.
+                return self.__torch_function__(original, types, args, kwargs)
             # A Python function with a torch-function prologue (nn.init.*,
             # F.*, Tensor.backward): run its body with this mode still
             # active, so that the calls inside it are seen here too (devices,
@@ -103,7 +111,21 @@ class FakeFunctionMode(TorchFunctionMode):
             return tensor_cuda(*args, **kwargs, fake_cuda=self.fake_cuda, fake=isinstance(args[0], FakeTensor))
         if func is torch.Tensor.type_as:
             return tensor_type_as(args[0], args[1], self.fake_cuda, fake=isinstance(args[0], FakeTensor))
+        if func in READS and reads_memory(func, args, kwargs):
+            # A file, a storage or a buffer: real, as eagerly (fake/reads.py).
+            return read(func, args, kwargs, self.fake_cuda)
         return rewrite_call(func, args, kwargs, self.fake_cuda)
+
+
+# The calls every constructor makes most often (nn.init's no_grad blocks,
+# register_parameter's grad_fn test, fan computations), which make no tensor
+# and take no device: straight through.
+_PLAIN = frozenset({
+    torch._C._set_grad_enabled,
+    torch.Tensor.grad_fn.__get__,
+    torch.Tensor.dim,
+    torch.Tensor.size,
+})
 
 
 # Operators called directly (DTensor running its local computation): their
@@ -128,7 +150,7 @@ def _backend_stands_for(args):
     if not isinstance(first, FakeTensor):
         return None
     device = first.__dict__["_device"]
-    if device.type == "cpu" or backend_device(device) == device or backend_meant() == device:
+    if device not in BACKENDLESS or backend_meant() == device:
         return None
     return device
 

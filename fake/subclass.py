@@ -58,12 +58,22 @@ def make_subclass(cls, data, require_grad=False, *args, **kwargs):
     if cls is torch.Tensor or cls is FakeTensor:
         return out
     out.__class__ = fake_class(cls)
-    _remember(out, cls)
+    remember_class(out, cls)
     return out
 
 
-def _remember(fake: FakeTensor, cls) -> None:
-    """What materialization dresses the real tensor as (see materialize.swap)."""
+def remember_class(fake: FakeTensor, cls) -> None:
+    """Remember ``cls`` as what materialization dresses ``fake``'s real tensor as
+    (see materialize.swap): a ``Parameter`` class also flags it as a parameter.
+
+    Example::
+
+        >>> with fake_mode():
+        ...     t = torch.ones(2)
+        >>> remember_class(t, torch.nn.Parameter)
+        >>> isinstance(t, torch.nn.Parameter), t.__dict__["_param_cls"].__name__
+        (True, 'Parameter')
+    """
     d = fake.__dict__
     d["_param_cls"] = cls
     if issubclass(cls, Parameter):
@@ -77,7 +87,7 @@ def fake_class(cls):
     every operation stays fake."""
     made = _classes.get(cls)
     if made is None:
-        namespace = {"__module__": __name__, "__qualname__": f"fake_class({cls.__qualname__})"}
+        namespace = {"__module__": __name__, "__qualname__": f"fake_class({cls.__qualname__})", "_fake_class_of": cls}
         if issubclass(cls, UninitializedTensorMixin):
             namespace["materialize"] = _materialize
             namespace["__repr__"] = UninitializedTensorMixin.__repr__
@@ -95,7 +105,7 @@ def _materialize(self, shape, device=None, dtype=None) -> None:
     if become is torch.Tensor:
         self.__dict__.pop("_param_cls", None)
     else:
-        _remember(self, become)
+        remember_class(self, become)
 
 
 class _Diversion:

@@ -17,7 +17,7 @@ import torch
 from . import handlers
 from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
-from .device import backend_device, normalize
+from .device import backend_device, kind_of, normalize
 from .errors import FakeDataAccessError
 from .storage import storage_of
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
@@ -26,7 +26,7 @@ from .storage_set import fake_set_
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
@@ -42,7 +42,11 @@ class FakeTensor(torch.Tensor):
 
     Create fakes with :func:`fake.fake_mode` (or ``deferinit.deferred_init``);
     the constructor is the low-level door: it takes the meta *shadow* and
-    the device to report.
+    the device to report.  Called as code written for eager tensors calls
+    a parameter's class, ``type(p)(data, requires_grad=...)`` or
+    ``type(p)(p.to(device), **p.__dict__)`` (accelerate's
+    ``init_empty_weights``, quantization libraries), it makes what
+    ``p``'s eager class makes of ``data`` (see :func:`recreate`).
 
     Example::
 
@@ -60,10 +64,13 @@ class FakeTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, shadow: torch.Tensor, device, requires_grad: bool = False):
+    def __new__(cls, shadow: torch.Tensor, device=None, requires_grad=None, **attrs):
+        if device is None or attrs:
+            return recreate(cls, shadow, requires_grad, attrs)
+        requires_grad = bool(requires_grad)
         if not shadow.is_meta:
             raise ValueError(f"the shadow of a FakeTensor must be a meta tensor, got {shadow.device}")
-        if type(device) is not torch.device or (device.index is None) != (device.type == "cpu"):
+        if type(device) is not torch.device or (device.index is None) != (kind_of(device) == "cpu"):
             device = normalize(device)
         return _make(cls, shadow, device, requires_grad)
 
@@ -76,11 +83,11 @@ class FakeTensor(torch.Tensor):
 
     @property
     def is_cuda(self) -> bool:
-        return self.__dict__["_device"].type == "cuda"
+        return kind_of(self.__dict__["_device"]) == "cuda"
 
     @property
     def is_cpu(self) -> bool:
-        return self.__dict__["_device"].type == "cpu"
+        return kind_of(self.__dict__["_device"]) == "cpu"
 
     @property
     def is_meta(self) -> bool:
@@ -88,7 +95,7 @@ class FakeTensor(torch.Tensor):
 
     def get_device(self) -> int:
         device = self.__dict__["_device"]
-        return -1 if device.type == "cpu" else device.index
+        return -1 if kind_of(device) == "cpu" else device.index
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -132,11 +139,29 @@ class FakeTensor(torch.Tensor):
 
     @property
     def data(self):
-        return torch.Tensor.data.__get__(self)
+        out = torch.Tensor.data.__get__(self)
+        # A version counter of its own: writes through it move no counter of
+        # this tensor's views, as eagerly (the recorder keeps this apart).
+        out.__dict__["_data_alias"] = True
+        return out
 
     @data.setter
     def data(self, new) -> None:
         handlers.for_args((self, new), None).set_data(self, new)
+
+    # -- requires_grad ----------------------------------------------------------
+
+    def requires_grad_(self, requires_grad=True):
+        _REQUIRES_GRAD_(self, requires_grad)
+        # A view follows its base's flag: the recorder notes when it changed.
+        handlers.for_args((self,), None).requires_grad_changed(self)
+        return self
+
+    def _set_requires_grad(self, requires_grad) -> None:
+        _REQUIRES_GRAD.__set__(self, requires_grad)
+        handlers.for_args((self,), None).requires_grad_changed(self)
+
+    requires_grad = property(torch._C.TensorBase.requires_grad.__get__, _set_requires_grad)
 
     # -- moving between devices ---------------------------------------------
 
@@ -197,22 +222,23 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy()", lambda t: _read_only(t.numpy(force=force), t))
 
     def __array__(self, dtype=None, copy=None):
-        if copy:  # np.array(t): a copy of its own, writable as eagerly
-            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy())
+        if copy:  # np.array(t): a copy of its own, writable as eagerly, in the order of t's strides
+            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy(order="K"))
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
-        raise FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        error = FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        raise handlers.explain_data_access(error, self)
 
     def untyped_storage(self):
         # The shadow's meta storage, shared by every alias (see fake/storage.py).
         return storage_of(self.__dict__["_shadow"])
 
     def storage(self):
-        raise FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
 
     def _typed_storage(self):
-        raise FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
 
     def __dlpack__(self, *args, **kwargs):
         raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")
@@ -239,6 +265,8 @@ def _read_only(array, real: torch.Tensor):
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 _STRIDED = torch.strided
 
 
@@ -257,6 +285,38 @@ def _make(cls, shadow, device, requires_grad=False):
 def make_fake(shadow: torch.Tensor, device: torch.device, requires_grad: bool = False) -> "FakeTensor":
     """``FakeTensor(shadow, device)`` for a meta ``shadow`` and a normalized ``device`` (no checks)."""
     return _make(FakeTensor, shadow, device, requires_grad)
+
+
+def recreate(cls, data, requires_grad=None, attrs=None):
+    """``cls(data, **attrs)`` for a fake's class ``cls`` and ``__dict__`` ``attrs``:
+    what the fake's eager class makes of ``data``.
+
+    That class is the one remembered for materialization (``nn.Parameter``,
+    or the class a fake subclass was made for); the fake's own attributes
+    are dropped, the user's are passed on, as eagerly.  A call without a
+    fake's ``__dict__`` (``type(p)(value, requires_grad=...)``, as accelerate's
+    ``set_module_tensor_to_device`` makes) is taken for a parameter's, the
+    one use of this idiom.
+
+    Example::
+
+        >>> with fake_mode():
+        ...     p = torch.nn.Parameter(torch.ones(2))
+        >>> q = type(p)(p.to("meta"), **p.__dict__)   # accelerate's init_empty_weights
+        >>> type(q).__name__, q.device, q.requires_grad
+        ('Parameter', device(type='meta'), True)
+    """
+    attrs = attrs or {}
+    eager = attrs.get("_param_cls") or vars(cls).get("_fake_class_of")  # see fake.subclass
+    if eager is None:
+        if attrs.get("_is_param") or not attrs:
+            eager = torch.nn.Parameter
+        else:
+            eager = torch.Tensor
+    kwargs = {k: v for k, v in attrs.items() if k not in INTERNAL_ATTRS}
+    if requires_grad is not None:
+        kwargs["requires_grad"] = requires_grad
+    return eager(data, **kwargs)
 
 
 def _new(method, self, args, kwargs):

@@ -15,3 +15,8 @@ from .api import materialize_module, materialize_tensor
 from .checkpoint import LoadResult, load_checkpoint
 
 __all__ = ["materialize_module", "materialize_tensor", "load_checkpoint", "LoadResult"]
+
+from fake.compiling import skip_compiling as _skip_compiling  # noqa: E402
+
+_skip_compiling("deferinit")  # modules deferinit imported for us since
+_skip_compiling("materialize")  # see fake/compiling.py

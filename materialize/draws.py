@@ -14,11 +14,11 @@ left it.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from deferinit.errors import DeviceUnavailableError
+from deferinit.realdraws import with_generator
+from deferinit.record import FOREIGN
 from deferinit.rng import default_generator, generator_of, get_state, scratch_generator, set_state
 
 
@@ -41,7 +41,7 @@ class Draws:
 
     def __exit__(self, *exc):
         for gen, state in self._borrowed.values():
-            set_state(gen, state)
+            FOREIGN.set_state(gen, state)
         self._borrowed.clear()
 
     def call(self, node, args, kwargs):
@@ -59,7 +59,7 @@ class Draws:
             real = default_generator(rs.device)
             if id(real) not in self._borrowed:
                 self._borrowed[id(real)] = (real, get_state(real))
-            set_state(real, get_state(gen))
+            FOREIGN.set_state(real, get_state(gen))  # seen by no recording thread as its own
             out = target(*args, **kwargs)
             set_state(gen, get_state(real))
         rs.learn(index, get_state(gen))
@@ -77,55 +77,3 @@ class Draws:
                 set_state(gen, get_state(real))
             rs.generator = gen
         return rs.generator
-
-
-def with_generator(node, kwargs: dict, gen: torch.Generator):
-    """``(callable, kwargs, takes)``: how to run ``node`` drawing from ``gen``;
-    ``takes`` is False for operators that take no generator (they draw from
-    the default one)."""
-    target = node.target
-    if node.kind == "opaque":
-        if "generator" in _parameters(target):
-            return target, dict(kwargs, generator=gen), True
-        return target, kwargs, False
-    overload = _generator_overload(target)
-    if overload is None:
-        return target, kwargs, False
-    return overload, dict(kwargs, generator=gen), True
-
-
-_overloads: dict = {}
-
-
-def _generator_overload(op):
-    """``op`` if it takes ``generator=``, else its sibling overload that does
-    (``aten.randn.default`` -> ``aten.randn.generator``), else None."""
-    if op in _overloads:
-        return _overloads[op]
-    found = None
-    if any(a.name == "generator" for a in op._schema.arguments):
-        found = op
-    else:
-        packet = getattr(torch.ops.aten, op._opname, None) if op.namespace == "aten" else None
-        name = op._overloadname
-        parts = name.split("_")
-        candidates = ["generator"] if name == "default" else [
-            f"{name}_generator", "_".join(parts[:-1] + ["generator", parts[-1]]),
-        ]
-        original = [a.name for a in op._schema.arguments]
-        for candidate in candidates:
-            if packet is not None and candidate in packet.overloads():
-                sibling = getattr(packet, candidate)
-                names = [a.name for a in sibling._schema.arguments]
-                if "generator" in names and [n for n in names if n != "generator"] == original:
-                    found = sibling
-                    break
-    _overloads[op] = found
-    return found
-
-
-def _parameters(fn) -> tuple:
-    try:
-        return tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return ()

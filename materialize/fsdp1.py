@@ -1,5 +1,6 @@
-"""FSDP1 (``FullyShardedDataParallel``) on deferred modules: a ``param_init_fn``
-and the hook that lets FSDP1 recognise deferred modules at all."""
+"""FSDP1 (``FullyShardedDataParallel``) on deferred modules: a ``param_init_fn``,
+the hook that lets FSDP1 recognise deferred modules at all, and the error that
+says so when FSDP1 was built without it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import types
 
 import torch
 
+from deferinit.errors import FSDP1_FIX, FSDP1DeferredModuleError
 from deferinit.patches import SharedPatch
 from deferinit.session import is_deferred
 
@@ -70,3 +72,41 @@ def fsdp1_hooks():
     """
     with _FSDP1_HOOKS.held():
         yield
+
+
+def explain_data_access(error, fake):
+    """The error for a data or memory access on FSDP1's flat parameter made of
+    deferred parameters (``FlatParamHandle.shard()`` reading its storage): FSDP1
+    flattened a module it did not materialize, because it was built outside
+    :func:`fsdp1_hooks` (a ``param_init_fn`` alone is never called) or its
+    ``param_init_fn`` left them deferred; None for any other access.
+
+    Example::
+
+        >>> model = FSDP(deferred_init(Net), param_init_fn=lambda m: materialize_module(m))
+        Traceback (most recent call last):
+        deferinit.errors.FSDP1DeferredModuleError: FullyShardedDataParallel (FSDP1) is flattening ...
+    """
+    if not getattr(fake, "_is_flat_param", False):
+        return None
+    names = tuple(getattr(fake, "_fqns", None) or ())
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    which = f"deferred parameters ({shown})" if shown else "deferred parameters"
+    init_utils = importlib.import_module("torch.distributed.fsdp._init_utils")
+    if getattr(init_utils, "_TORCHDISTX_AVAIL", False):
+        why = (
+            "FSDP1 recognised the module as deferred, but its param_init_fn left these parameters deferred. "
+            "Give param_init_fn=materialize.distributed.param_init_fn (it materializes the module's own "
+            "tensors), or leave param_init_fn out so that FSDP1 materializes each unit itself."
+        )
+    else:
+        why = (
+            "FSDP1 materializes a module before flattening it only when its parameters are on the meta "
+            "device or are torchdistX fakes, so it neither called param_init_fn nor materialized them, "
+            f"and sharding needs their memory. {FSDP1_FIX}"
+        )
+    return FSDP1DeferredModuleError(
+        f"FullyShardedDataParallel (FSDP1) is flattening {which} that it did not materialize first "
+        f"({error.operation} of its flat parameter). {why} FSDP1 has already replaced the module's parameters "
+        "by views of its flat parameter, so build the model again (deferred_init) before wrapping it."
+    )

@@ -9,10 +9,12 @@ when its last draw was replayed, or when every draw after the last one
 replayed is *dead*: a temporary (what it drew is held by no tensor any
 more: a random temporary of the constructor, a value replaced by ``.data =``)
 or a draw into a tensor already materialized whose values later writes
-overwrote (dead-work elimination skipped it); those are then replayed into
-scratch memory.  Draws into tensors still deferred, or whose values a
-checkpoint load overwrote, are not replayed for this: the generator then
-waits.  With ``device=``, the generator of the
+overwrote (dead-work elimination skipped it), or a draw the materialized
+tensors depend on without needing its values (read for its geometry only,
+as a DTensor rank's empty piece reads its source); those are then replayed
+into scratch memory.  Other draws into tensors still deferred, or whose
+values a checkpoint load overwrote, are not replayed for this: the
+generator then waits.  With ``device=``, the generator of the
 target device is the one eager construction there would have advanced.
 """
 
@@ -20,7 +22,8 @@ from __future__ import annotations
 
 from deferinit.errors import MaterializationError
 from deferinit.plan import DeviceMap
-from deferinit.rng import generator_of, get_state, same_state, set_state
+from deferinit.record import FOREIGN
+from deferinit.rng import generator_of, get_state, same_state
 from deferinit.streams import replay_streams
 
 from .replay import Replay
@@ -68,7 +71,7 @@ def hand_over_generators(streams, device=None, records=()) -> None:
                 left.append(start)
         now = get_state(gen)
         if any(same_state(now, state) for state in left):
-            set_state(gen, end)
+            FOREIGN.set_state(gen, end)  # not a threads' recording's own reseed
 
 
 def _finish(rs, device):
@@ -78,7 +81,7 @@ def _finish(rs, device):
     while k > 0 and rs.state_before(k) is None:
         k -= 1
     tail = rs.nodes[k:]
-    if not tail or not all(_dead(n) for n in tail):
+    if not tail or not all(_dead(n) or _depended_on(rs, k + i, n) for i, n in enumerate(tail)):
         return None
     try:
         Replay([], device=device, extra=tail, labels=["random temporaries"]).run()
@@ -96,6 +99,16 @@ def _dead(node) -> bool:
         return False
     storage = node.rng_target()
     return storage is None or storage.real is not None
+
+
+def _depended_on(rs, index: int, node) -> bool:
+    """Whether the replay's reads depended on draw ``index`` although it did not
+    run: a tensor read only for its geometry (``new_zeros`` of a deferred
+    tensor, as DTensor makes a rank's empty piece) or allocated because later
+    writes hide its values.  Eager drew it all the same, and every rank of a
+    sharded model depends on it alike: the generator must not wait for it
+    (unless a checkpoint load hid it)."""
+    return index in rs.planned and not node.hidden_by_load
 
 
 def _in_order(streams) -> list:

@@ -136,7 +136,11 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
             if shown is not None:
                 replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
             reals = replay.run()
-            streams.update((id(rs.post), rs) for rs in replay.replay_streams)
+            for rs in replay.replay_streams:
+                earlier = streams.get(id(rs.post))
+                if earlier is not None:
+                    rs.planned |= earlier.planned
+                streams[id(rs.post)] = rs
             del replay
             computed.append((group, reads, *_compact(group, reals)))
             del reals

@@ -9,6 +9,7 @@ Every check compares against eager PyTorch built with the same seed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -368,6 +369,71 @@ def case_fsdp1(rank: int, world_size: int) -> dict:
         results[form] = True
     results["calls"] = calls
     return results
+
+
+def case_fsdp1_without_hooks(rank: int, world_size: int) -> dict:
+    """torchdistX-style FSDP1 outside fsdp1_hooks() (a param_init_fn FSDP1 never
+    calls, or FSDP's own detection), and inside it with a param_init_fn that
+    leaves the module deferred: FSDP1DeferredModuleError naming the fix, on
+    every rank; the fix it names then gives eager's values."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from deferinit import FSDP1DeferredModuleError
+    from fake import FakeDataAccessError
+    from materialize.distributed import fsdp1_hooks, param_init_fn
+
+    messages = {}
+    forms = {
+        "torchdistx param_init_fn": (False, {"param_init_fn": lambda m: materialize_module(m)}),
+        "FSDP's own detection": (False, {}),
+        "param_init_fn that does nothing": (True, {"param_init_fn": lambda m: None}),
+    }
+    for form, (hooked, kwargs) in forms.items():
+        torch.manual_seed(0)
+        model = deferred_init(Net)
+        try:
+            with fsdp1_hooks() if hooked else contextlib.nullcontext():
+                FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"), **kwargs)
+        except FSDP1DeferredModuleError as e:
+            check(isinstance(e.__cause__, FakeDataAccessError), f"{form}: the data access is not the cause")
+            messages[form] = str(e)
+        else:
+            raise AssertionError(f"{form}: FSDP1 on a deferred model did not raise")
+    torch.manual_seed(0)
+    eager = Net()
+    torch.manual_seed(0)
+    model = deferred_init(Net)
+    with fsdp1_hooks():  # the fix the message names
+        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                       param_init_fn=param_init_fn)
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        state = wrapped.state_dict()
+    for key, value in eager.state_dict().items():
+        check(torch.equal(state[key], value), f"after the fix: {key} differs from eager")
+    return messages
+
+
+def case_fsdp1_one_rank_without_hooks(rank: int, world_size: int) -> list:
+    """On one rank (NO_SHARD) FSDP1 never reads the flat parameter's memory: a
+    model wrapped outside fsdp1_hooks() stays deferred, and its first forward
+    pass warns, naming fsdp1_hooks()."""
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from deferinit import DeferredModuleWarning
+
+    wrapped = FSDP(deferred_init(Net), device_id=torch.device("cpu"), param_init_fn=lambda m: materialize_module(m))
+    check(is_deferred(wrapped), "FSDP1 materialized the model without fsdp1_hooks()")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            wrapped(torch.randint(0, 11, (2, 5)))
+        except Exception:  # noqa: BLE001 - FSDP1 then fails on fakes; the warning came first
+            pass
+    return [str(w.message) for w in caught if issubclass(w.category, DeferredModuleWarning)]
 
 
 # -- transformers Llama ------------------------------------------------------------------

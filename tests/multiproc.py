@@ -50,11 +50,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, collective_timeout, threads, fn, args, results):
+def _rank_main(rank, world_size, port, collective_timeout, threads, fn, args, results, backend="gloo"):
     try:
         torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, as torchrun sets it
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -80,8 +82,10 @@ def run_ranks(
     collective_timeout: float | None = None,
     threads: int = 1,
     env: dict | None = None,
+    backend: str = "gloo",
 ):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend``
+    process group (gloo; ``"nccl"`` puts rank r on GPU r); return their results by rank.
 
     Raises :class:`RankFailed` with the traceback of the first rank that
     raised, or :class:`RanksTimedOut` when ranks are still running after
@@ -93,22 +97,22 @@ def run_ranks(
     if collective_timeout is None:
         collective_timeout = max(10.0, timeout / 2)
     try:
-        return _run_once(fn, world_size, args, timeout, collective_timeout, threads, env)
+        return _run_once(fn, world_size, args, timeout, collective_timeout, threads, env, backend)
     except RankFailed as e:
         if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
             raise
         # The free port was taken between choosing it and binding it: once more.
-        return _run_once(fn, world_size, args, timeout, collective_timeout, threads, env)
+        return _run_once(fn, world_size, args, timeout, collective_timeout, threads, env, backend)
 
 
-def _run_once(fn, world_size, args, timeout, collective_timeout, threads, env):
+def _run_once(fn, world_size, args, timeout, collective_timeout, threads, env, backend):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, collective_timeout, threads, fn, args, results),
+            args=(rank, world_size, port, collective_timeout, threads, fn, args, results, backend),
             daemon=True,
         )
         for rank in range(world_size)

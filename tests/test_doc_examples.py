@@ -11,7 +11,8 @@ before its fence, which the rendered page does not show:
 * ``<!-- not run: REASON -->``: never run (a signature, a sketch that needs
   several processes, a package that is not a dependency);
 * ``<!-- run if: dot -->``: run only where Graphviz's ``dot`` is installed
-  (the conditions: ``dot``, ``transformers``).
+  (the conditions: ``dot``, and a package's name: ``transformers``,
+  ``diffusers``, ``accelerate``, ``peft``, ``torchtitan``).
 
 See docs/testing.md.
 """
@@ -34,7 +35,10 @@ PAGES = ["README.md"] + sorted(
 )
 CONDITIONS = {
     "dot": lambda: shutil.which("dot") is not None,
-    "transformers": lambda: importlib.util.find_spec("transformers") is not None,
+    **{
+        name: (lambda name=name: importlib.util.find_spec(name) is not None)
+        for name in ("transformers", "diffusers", "accelerate", "peft", "torchtitan")
+    },
 }
 _FENCE = re.compile(r"^```python\s*$")
 _MARK = re.compile(r"^<!--\s*(not run|run if):\s*(.*?)\s*-->\s*$")

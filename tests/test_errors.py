@@ -47,14 +47,15 @@ def test_error_hierarchy():
     for cls in (MixedFakeError, InferenceTensorInputError, DataDependentError, deferinit.DeferredWriteError):
         assert issubclass(cls, RecordingError)
     assert issubclass(deferinit.DeferredModuleWarning, UserWarning)
+    assert issubclass(deferinit.PendingDrawsWarning, UserWarning)
     for cls in (ExternalTensorMutatedError, DeviceUnavailableError, ReplayError, AutogradMaterializationError):
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError",
+    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointReadError",
                  "DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
                  "DeviceUnavailableError", "ExternalTensorMutatedError",
-                 "InferenceTensorInputError", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
+                 "InferenceTensorInputError", "PendingDrawsWarning", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
         assert getattr(deferinit, name).__module__ == "deferinit.errors"
 
 
@@ -232,6 +233,25 @@ def test_inference_tensor_fix_clone_outside_inference_mode():
     assert torch.equal(m.scaled, torch.full((3,), 2.0))
 
 
+def test_outside_tensor_subclass_with_its_own_dispatch():
+    """Replay runs kernels on plain memory; a wrapper subclass's memory is empty
+    (reading it crashed the process at materialization)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from deferinit import RecordingError
+
+    table = TwoTensor(torch.ones(3), torch.ones(3))
+    with pytest.raises(RecordingError) as info:
+        deferred_init(UsesOutside, table)
+    message = str(info.value)
+    assert "aten.mul" in message and "TwoTensor" in message and "UsesOutside" in message
+    assert "__torch_dispatch__" in message and ".copy_(t)" in message
+    # The fix: a plain tensor of its values (TwoTensor's copy_ writes its second part last).
+    m = deferred_init(UsesOutside, torch.empty(3).copy_(table))
+    materialize_module(m)
+    assert torch.equal(m.scaled, torch.full((3,), 2.0))
+
+
 # -- 5. fakes from fake_mode mixed into deferred_init -------------------------
 
 
@@ -389,8 +409,8 @@ def test_replay_error_leaves_module_deferred():
 
 def test_data_access_on_plain_fake():
     with fake_mode():
-        t = torch.ones(3)
-        s = t.sum()  # its value depends on t's, which is not kept (more than one element)
+        t = torch.empty(3)  # no value to know (torch.ones(3) would keep its value: fake.md, known values)
+        s = t.sum()  # its value depends on t's, which is unknown
     for action, op in [(t.tolist, "tolist()"), (s.item, "item()"), (t.data_ptr, "data_ptr()"),
                        (t.untyped_storage().tolist, "UntypedStorage.tolist()"), (t.numpy, "numpy()"),
                        (lambda: bool(s), "bool()"), (lambda: int(s), "int()"), (lambda: float(s), "float()")]:

@@ -31,9 +31,8 @@ import argparse
 import sys
 
 from . import commands
-from .errors import CommandError, ConstructorError, TargetError, UsageError
+from .errors import CommandError, ConstructorError, TargetError, UsageError, one_line
 from .plan import plan
-from .targets import first_line
 
 PROG = "deferinit"
 
@@ -70,8 +69,9 @@ def make_parser() -> argparse.ArgumentParser:
     target.add_argument("-k", "--kwarg", action="append", metavar="NAME=VALUE",
                         help="keyword argument, value a Python literal (a bare word is a string); repeatable")
     target.add_argument("--config", metavar="C",
-                        help="a transformers config: a config.json, a save_pretrained directory, or a model id in the "
-                             "local Hugging Face cache; passed first; its dtype is the default unless --dtype is given")
+                        help="a model config (transformers or diffusers): a config.json, a save_pretrained directory, "
+                             "or a model id in the local Hugging Face cache; passed first; its dtype is the default "
+                             "unless --dtype is given")
     target.add_argument("--device", metavar="D",
                         help="device to build on (passed as device= when the callable takes it, else as torch.device(D) context); cuda works without CUDA")
     target.add_argument("--dtype", metavar="T",
@@ -146,7 +146,11 @@ def main(argv=None) -> int:
         0
     """
     parser = make_parser()
-    opts = parser.parse_args(argv)
+    opts, extra = parser.parse_known_args(argv)
+    if extra and hasattr(opts, "args") and all(_positional(e) for e in extra):
+        opts.args += extra  # ARGs after an option (`TARGET --config C 5 7`), which argparse leaves over
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     opts.debug = opts.debug or opts.debug_first
     out = sys.stdout
     try:
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
     except CommandError as e:
         if opts.debug:
             raise
-        print(f"{PROG}: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return e.status
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -162,5 +166,15 @@ def main(argv=None) -> int:
     except Exception as e:  # a bug here or in the library: still one line unless --debug
         if opts.debug:
             raise
-        print(f"{PROG}: error: {type(e).__name__}: {first_line(e)} (run with --debug for the traceback)", file=sys.stderr)
+        print(f"{PROG}: error: {type(e).__name__}: {one_line(e)} (run with --debug for the traceback)", file=sys.stderr)
         return 1
+
+
+def _positional(word: str) -> bool:
+    if not word.startswith("-"):
+        return True
+    try:
+        float(word)  # a negative number
+    except ValueError:
+        return False
+    return True

@@ -1,6 +1,11 @@
-"""``--config``: a transformers config as users keep it (a ``config.json``, a
+"""``--config``: a model config as users keep it (a ``config.json``, a
 ``save_pretrained`` directory, a model id in the local Hugging Face cache),
-read offline, and the dtype it asks for."""
+read offline by the target's own library, and the dtype it asks for.
+
+transformers targets get a config object (``LlamaConfig``), diffusers targets
+(``ConfigMixin`` classes: models, schedulers) the dict their ``load_config``
+returns, and a diffusers class is built with its ``from_config``, the way
+diffusers builds one from a config."""
 
 from __future__ import annotations
 
@@ -9,7 +14,8 @@ import os
 
 import torch
 
-from .errors import UsageError
+from .errors import UsageError, one_line
+from .signatures import first_parameter, signatures
 
 DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -18,11 +24,14 @@ DTYPES = {
     "float64": torch.float64, "double": torch.float64, "fp64": torch.float64,
 }
 
+# First-parameter names that say a plain function takes a config.
+_CONFIG_NAMES = ("config", "cfg", "conf")
 
-def config_file(spec: str) -> str:
-    """The ``config.json`` a ``--config`` value names: a file, a directory holding
-    one (what ``save_pretrained`` writes), or a model id whose config is in the
-    local Hugging Face cache (resolved by transformers, offline).
+
+def config_file(spec: str, name: str = "config.json") -> str:
+    """The config file a ``--config`` value names: a file, a directory holding
+    ``name`` (what ``save_pretrained`` writes), or a model id whose ``name`` is
+    in the local Hugging Face cache (looked up offline).
 
     Example::
 
@@ -30,30 +39,31 @@ def config_file(spec: str) -> str:
         'checkpoints/llama-1b/config.json'
     """
     if os.path.isdir(spec):
-        path = os.path.join(spec, "config.json")
+        path = os.path.join(spec, name)
         if not os.path.isfile(path):
-            raise UsageError(f"--config {spec}: the directory has no config.json (save_pretrained writes one there)")
+            raise UsageError(f"--config {spec}: the directory has no {name} (save_pretrained writes one there)")
         return path
     if os.path.exists(spec):
         return spec
-    cached = _cached_config(spec)
+    cached = _cached_config(spec, name)
     if cached is None:
         raise UsageError(
-            f"--config {spec}: no such file or directory, nor a model id whose config.json is in the local "
-            f"Hugging Face cache (nothing is downloaded; fetch it first, e.g. `hf download {spec} config.json`)"
+            f"--config {spec}: no such file or directory, nor a model id whose {name} is in the local "
+            f"Hugging Face cache (nothing is downloaded; fetch it first, e.g. `hf download {spec} {name}`)"
         )
     return cached
 
 
-def _cached_config(model_id: str) -> str | None:
+def _cached_config(model_id: str, name: str) -> str | None:
     try:
-        from transformers.utils import cached_file
+        from huggingface_hub import try_to_load_from_cache
     except ImportError:
         return None
     try:
-        return cached_file(model_id, "config.json", local_files_only=True)
-    except Exception:  # not a repo id, or not in the cache: the caller says both
+        path = try_to_load_from_cache(model_id, name)
+    except Exception:  # not a repo id: the caller says so
         return None
+    return path if isinstance(path, str) else None
 
 
 def config_dtype(data: dict) -> tuple[torch.dtype | None, str | None]:
@@ -72,13 +82,57 @@ def config_dtype(data: dict) -> tuple[torch.dtype | None, str | None]:
     return None, None
 
 
-def load_config(spec: str, fn):
-    """A transformers config for ``fn`` from a ``--config`` value (see
-    :func:`config_file`), built offline; returns ``(config, data)``, ``data``
-    being the JSON object read.
+def owner_class(fn):
+    """The class ``fn`` belongs to: ``fn`` itself when it is a class, the class of
+    a classmethod (``AutoModelForCausalLM.from_config``), else None.
 
-    The class's own ``config_class`` when it has one (``LlamaForCausalLM``),
-    else ``AutoConfig.for_model`` from the file's ``model_type``.
+    Example::
+
+        >>> owner_class(transformers.AutoModelForCausalLM.from_config).__name__
+        'AutoModelForCausalLM'
+    """
+    if isinstance(fn, type):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, type) else None
+
+
+def is_diffusers_config_class(cls) -> bool:
+    """Whether ``cls`` reads its configs as diffusers' ``ConfigMixin`` does: a
+    ``load_config`` classmethod and the ``config_name`` of its file."""
+    return (
+        cls is not None and callable(getattr(cls, "load_config", None))
+        and callable(getattr(cls, "from_config", None)) and isinstance(getattr(cls, "config_name", None), str)
+    )
+
+
+def configured_callable(fn):
+    """What to call with a config: a diffusers ``ConfigMixin`` class is built by its
+    ``from_config`` (its constructor takes the config's entries, not a config);
+    anything else is called as named.
+
+    Example::
+
+        >>> configured_callable(diffusers.UNet2DConditionModel).__name__
+        'from_config'
+    """
+    if isinstance(fn, type) and is_diffusers_config_class(fn):
+        return fn.from_config
+    return fn
+
+
+def load_config(spec: str, fn):
+    """The config ``fn`` takes, from a ``--config`` value (see :func:`config_file`),
+    read offline; returns ``(config, data)``, ``data`` being the JSON object read.
+
+    - diffusers (``fn``'s class has ``load_config``): its ``load_config`` dict;
+    - a transformers class with a ``config_class`` (``LlamaForCausalLM``):
+      ``config_class.from_dict``;
+    - anything else: ``AutoConfig.for_model`` from the file's ``model_type``
+      (``AutoModelForCausalLM.from_config``, a function of yours); a file
+      without ``model_type`` is passed as the dict it holds to a callable whose
+      first parameter is named ``config``/``cfg``/``conf``, or whose signature
+      says nothing (``(*args, **kwargs)``).
 
     Example::
 
@@ -88,19 +142,24 @@ def load_config(spec: str, fn):
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    path = config_file(spec)
+    owner = owner_class(fn)
+    diffusers_owner = is_diffusers_config_class(owner)
+    path = config_file(spec, owner.config_name if diffusers_owner else "config.json")
     try:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
         raise UsageError(f"--config {spec}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise UsageError(f"--config {spec}: {path} is not valid JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UsageError(f"--config {spec}: {path} is not valid JSON ({one_line(e)})") from None
+    except RecursionError:
+        raise UsageError(f"--config {spec}: {path} nests too deeply to read") from None
     if not isinstance(data, dict):
         raise UsageError(f"--config {spec}: expected a JSON object, got {type(data).__name__}")
-    owner = getattr(fn, "__self__", fn)
     config_class = getattr(owner, "config_class", None)
     try:
+        if diffusers_owner:
+            return dict(owner.load_config(path)), data
         if config_class is not None and hasattr(config_class, "from_dict"):
             return config_class.from_dict(data), data
         if "model_type" in data:
@@ -109,13 +168,13 @@ def load_config(spec: str, fn):
             rest = dict(data)
             return transformers.AutoConfig.for_model(rest.pop("model_type"), **rest), data
     except Exception as e:
-        raise UsageError(f"--config {spec}: building the config raised {type(e).__name__}: {_first_line(e)}") from e
+        raise UsageError(f"--config {spec}: building the config raised {type(e).__name__}: {one_line(e)}") from e
+    if not signatures(fn) or first_parameter(fn) in _CONFIG_NAMES:  # opaque (*args, **kwargs): try it first
+        return data, data
     raise UsageError(
-        f"--config {spec}: the target has no config_class and the file has no \"model_type\"; "
-        "--config is for transformers models (e.g. transformers:LlamaForCausalLM)"
+        f"--config {spec}: cannot tell which config {getattr(fn, '__qualname__', fn)} takes: it is not a "
+        "transformers or diffusers class, the file has no \"model_type\" (transformers), and its first "
+        "parameter is not named config, cfg or conf; --config is for model classes and factories taking a config "
+        "(transformers:LlamaForCausalLM, transformers:AutoModelForCausalLM.from_config, "
+        "diffusers:UNet2DConditionModel)"
     )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "(no message)"

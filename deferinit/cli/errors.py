@@ -21,3 +21,18 @@ class TargetError(UsageError):
 
 class ConstructorError(CommandError):
     """The target callable raised while it was being built deferred."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's whole message on one line: its lines joined, so that a
+    message such as a validator's ``"...error for field 'x':\\n    TypeError: ..."``
+    is not cut after its first line.
+
+    Example::
+
+        >>> one_line(ValueError("Validation error for field 'heads':\\n    TypeError: expected int"))
+        "Validation error for field 'heads': TypeError: expected int"
+    """
+    lines = [line.strip() for line in str(e).splitlines()]
+    text = " ".join(line for line in lines if line)
+    return text or "(no message)"

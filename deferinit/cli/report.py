@@ -10,9 +10,14 @@ import torch
 from ..session import is_deferred
 from ..text import dtype_name, fmt_bytes, fmt_count, fmt_seconds
 
-#: Bytes per parameter to train with Adam in fp32: weights, gradients,
-#: and Adam's two moment estimates (exp_avg, exp_avg_sq), 4 bytes each.
-ADAM_BYTES_PER_PARAM = 16
+#: Bytes per trainable parameter with fp32 master weights (bf16 mixed precision,
+#: as FSDP2's MixedPrecisionPolicy or autocast over fp32 weights train): the
+#: fp32 weights, gradients and Adam's two moment estimates, 4 bytes each.
+MASTER_BYTES_PER_PARAM = 16
+
+#: Tensors per trainable parameter that Adam(W) holds: the weight, its gradient,
+#: exp_avg and exp_avg_sq, all in the parameter's dtype (``zeros_like(p)``).
+ADAM_TENSORS_PER_PARAM = 4
 
 
 @dataclasses.dataclass
@@ -30,6 +35,7 @@ class Summary:
     devices: list
     deferred: int
     total: int
+    trainable: dict = dataclasses.field(default_factory=dict)
 
     @property
     def param_count(self) -> int:
@@ -44,9 +50,28 @@ class Summary:
         return sum(v[2] for v in self.buffers.values())
 
     @property
+    def frozen_bytes(self) -> int:
+        """Bytes of the parameters that do not require grad: no gradient, no optimizer state."""
+        return self.param_bytes - sum(v[2] for v in self.trainable.values())
+
+    @property
     def adam_bytes(self) -> int:
-        """Memory to train with Adam in fp32: 16 bytes per parameter, plus the buffers."""
-        return ADAM_BYTES_PER_PARAM * self.param_count + self.buffer_bytes
+        """Memory to train with Adam(W) as PyTorch's optimizers do by default, and
+        ``deferinit plan`` by default: each trainable parameter, its gradient and
+        its two moment estimates in the parameter's own dtype; plus frozen
+        parameters and buffers."""
+        trainable = sum(v[2] for v in self.trainable.values())
+        return ADAM_TENSORS_PER_PARAM * trainable + self.frozen_bytes + self.buffer_bytes
+
+    @property
+    def master_bytes(self) -> int | None:
+        """Memory to train with Adam(W) keeping fp32 master weights (mixed
+        precision): 16 bytes per trainable parameter; None when every trainable
+        parameter is already fp32 or wider, where it equals :attr:`adam_bytes`."""
+        if all(not d.is_floating_point or d.itemsize >= 4 for d in self.trainable):
+            return None
+        count = sum(v[1] for v in self.trainable.values())
+        return MASTER_BYTES_PER_PARAM * count + self.frozen_bytes + self.buffer_bytes
 
 
 def summarize(module: torch.nn.Module) -> Summary:
@@ -84,6 +109,7 @@ def summarize(module: torch.nn.Module) -> Summary:
         devices=devices,
         deferred=sum(1 for t in everything if is_deferred(t)),
         total=len(everything),
+        trainable=table([p for p in params if p.requires_grad]),
     )
 
 
@@ -137,18 +163,17 @@ def format_report(
         facts.append(("built with dtype", dtype))
     facts.append(("devices", ", ".join(s.devices) or "-"))
     facts.append(("deferred tensors", f"{s.deferred} of {s.total}"))
-    facts.append((
-        "train with Adam",
-        f"{fmt_bytes(s.adam_bytes)} = {ADAM_BYTES_PER_PARAM} B x {s.param_count:,} parameters "
-        f"(fp32 weights, gradients, exp_avg, exp_avg_sq) + {fmt_bytes(s.buffer_bytes)} buffers; "
-        "activations not included",
-    ))
+    facts.append(("train with Adam", _adam_text(s)))
+    master = s.master_bytes
+    if master is not None:
+        facts.append(("with fp32 masters", _master_text(s)))
     if shard:
         per_weights = (s.param_bytes + s.buffer_bytes) / shard
         gather = f"; gathering the largest layer takes {fmt_bytes(s.largest[3])} more" if s.largest else ""
+        masters = f" ({fmt_bytes(master / shard)} with fp32 masters)" if master is not None else ""
         facts.append((
             f"sharded over {shard}",
-            f"{fmt_bytes(s.adam_bytes / shard)} per device to train with Adam, "
+            f"{fmt_bytes(s.adam_bytes / shard)} per device to train with Adam{masters}, "
             f"{fmt_bytes(per_weights)} per device for the weights (fully sharded, as FSDP/ZeRO-3){gather}",
         ))
     if seconds is not None:
@@ -157,3 +182,34 @@ def format_report(
     for k, v in facts:
         lines.append(f"  {k:<{width}}  {v}")
     return "\n".join(lines)
+
+
+def _rest(s: Summary, last: str = "; activations not included") -> str:
+    frozen = f" + {fmt_bytes(s.frozen_bytes)} frozen parameters" if s.frozen_bytes else ""
+    return f"{frozen} + {fmt_bytes(s.buffer_bytes)} buffers{last}"
+
+
+def _adam_text(s: Summary) -> str:
+    """What "train with Adam" assumes: PyTorch's Adam(W) keeps its states in each
+    parameter's dtype, and ``deferinit plan`` steps the model that way by default."""
+    count = sum(v[1] for v in s.trainable.values())
+    nbytes = sum(v[2] for v in s.trainable.values())
+    how = "as `deferinit plan` steps by default"
+    if not count:
+        return f"{fmt_bytes(s.adam_bytes)}: no parameter requires grad{_rest(s)}"
+    if len(s.trainable) == 1:
+        (dtype,) = s.trainable
+        size = f"{ADAM_TENSORS_PER_PARAM * dtype.itemsize} B x {count:,} parameters"
+        what = f"{dtype_name(dtype)} weights, gradients, exp_avg, exp_avg_sq: states in the parameters' dtype, {how}"
+    else:
+        size = f"{ADAM_TENSORS_PER_PARAM} x {fmt_bytes(nbytes)} of trainable parameters"
+        what = f"weights, gradients, exp_avg, exp_avg_sq, each in its parameter's dtype, {how}"
+    return f"{fmt_bytes(s.adam_bytes)} = {size} ({what}){_rest(s)}"
+
+
+def _master_text(s: Summary) -> str:
+    count = sum(v[1] for v in s.trainable.values())
+    return (
+        f"{fmt_bytes(s.master_bytes)} = {MASTER_BYTES_PER_PARAM} B x {count:,} parameters (fp32 master weights, "
+        f"gradients, exp_avg, exp_avg_sq: mixed precision, e.g. FSDP2's MixedPrecisionPolicy){_rest(s, '')}"
+    )

@@ -19,9 +19,10 @@ import torch
 
 from ..session import deferred_init
 from ..text import dtype_name
-from .config import DTYPES, config_dtype, load_config
-from .errors import ConstructorError, TargetError, UsageError
+from .config import DTYPES, config_dtype, configured_callable, load_config
+from .errors import ConstructorError, TargetError, UsageError, one_line
 from .resources import rss_bytes
+from .signatures import signatures
 
 
 
@@ -48,7 +49,7 @@ def load_target(spec: str):
         try:
             spec_.loader.exec_module(module)
         except Exception as e:
-            raise TargetError(f"loading {module_name} raised {type(e).__name__}: {first_line(e)}") from e
+            raise TargetError(f"loading {module_name} raised {type(e).__name__}: {one_line(e)}") from e
     else:
         try:
             module = importlib.import_module(module_name)
@@ -59,7 +60,7 @@ def load_target(spec: str):
                 f"(is it installed in this Python, {sys.executable}?)"
             ) from e
         except Exception as e:
-            raise TargetError(f"importing {module_name!r} raised {type(e).__name__}: {first_line(e)}") from e
+            raise TargetError(f"importing {module_name!r} raised {type(e).__name__}: {one_line(e)}") from e
     obj = module
     walked = []
     for part in attr.split("."):
@@ -144,12 +145,11 @@ def parse_dtype(text: str) -> torch.dtype:
 
 
 def _accepts(fn, name: str) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    p = params.get(name)
-    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    for sig in signatures(fn):
+        p = sig.parameters.get(name)
+        if p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -173,6 +173,8 @@ def check_arguments(fn, call: str, args, kwargs, *, has_config: bool = False) ->
     """Refuse, before building, arguments that do not fit ``fn``'s signature: too
     many positional values, a missing one (``config``: pass ``--config``), or a
     positional value that lands in ``device``/``dtype`` (``Linear 4 4 5 6``).
+    Arguments that fit any of :func:`signatures` pass; a callable whose
+    signature is opaque is left to the call itself.
 
     Example::
 
@@ -180,43 +182,55 @@ def check_arguments(fn, call: str, args, kwargs, *, has_config: bool = False) ->
         Traceback (most recent call last):
         UsageError: torch.nn:Linear(4, 4, 5, 6): the positional value 6 lands in parameter 'device' ...
     """
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin without a signature: the call itself will tell
+    sigs = signatures(fn)
+    if not sigs:
+        return  # a builtin without a signature, or an opaque one: the call itself will tell
+    first_error = None
+    for sig in sigs:
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as e:
+            first_error = first_error or (sig, str(e))
+            continue
+        _check_positional(fn, sig, call, bound, len(args), has_config)
+        return
+    sig, text = first_error
     shown = _signature_text(fn, sig)
-    try:
-        bound = sig.bind(*args, **kwargs)
-    except TypeError as e:
-        text = str(e)
-        missing = re.search(r"missing a required argument: '(\w+)'", text)
-        if missing:
-            name = missing.group(1)
-            if name == "config" and not has_config:
-                hint = "pass a transformers config with --config FILE|DIR|MODEL_ID"
-            elif name in _OPTION_OF:
-                hint = f"pass it with {_OPTION_OF[name]}"
-            else:
-                hint = f"give it as an ARG or with -k {name}=VALUE"
-            raise UsageError(f"{call}: missing argument {name!r} of {shown}; {hint}") from None
-        if "too many positional arguments" in text:
-            takes = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-            raise UsageError(
-                f"{call}: too many positional values: {shown} takes at most {len(takes)}, got {len(args)}; "
-                "name the others with -k name=value"
-            ) from None
-        raise UsageError(f"{call}: {text} (the callable is {shown})") from None
-    positional = list(bound.arguments.items())[: len(args)]
+    missing = re.search(r"missing a required argument: '(\w+)'", text)
+    if missing:
+        name = missing.group(1)
+        if name == "config" and not has_config:
+            hint = "pass a config with --config FILE|DIR|MODEL_ID"
+        elif name in _OPTION_OF:
+            hint = f"pass it with {_OPTION_OF[name]}"
+        else:
+            hint = f"give it as an ARG or with -k {name}=VALUE"
+        raise UsageError(f"{call}: missing argument {name!r} of {shown}; {hint}") from None
+    if "too many positional arguments" in text:
+        takes = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        raise UsageError(
+            f"{call}: too many positional values: {shown} takes at most {len(takes)}, got {len(args)}; "
+            "name the others with -k name=value"
+        ) from None
+    raise UsageError(f"{call}: {text} (the callable is {shown})") from None
+
+
+def _check_positional(fn, sig, call, bound, count, has_config) -> None:
+    positional = list(bound.arguments.items())[:count]
     for i, (name, value) in enumerate(positional):
         if name in ("device", "dtype") and not (has_config and i == 0):
             raise UsageError(
-                f"{call}: the positional value {value!r} lands in parameter {name!r} of {shown}; "
+                f"{call}: the positional value {value!r} lands in parameter {name!r} of {_signature_text(fn, sig)}; "
                 f"pass the {name} with {_OPTION_OF[name]}, and other arguments with -k name=value"
             )
 
 
 def _signature_text(fn, sig) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, type) and getattr(fn, "__name__", None):
+        name = f"{owner.__name__}.{fn.__name__}"  # the class named, not where the method was written
+    else:
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
     plain = sig.replace(
         parameters=[p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()],
         return_annotation=inspect.Signature.empty,
@@ -252,7 +266,12 @@ def build(opts):
     fn = load_target(opts.target)
     args = [parse_value(a) for a in opts.args]
     kwargs = parse_kwargs(opts.kwarg)
-    call = describe_call(opts.target, args, kwargs, opts.config)
+    spec = opts.target
+    if opts.config:
+        built_by = configured_callable(fn)
+        if built_by is not fn:
+            spec, fn = f"{spec}.{built_by.__name__}", built_by
+    call = describe_call(spec, args, kwargs, opts.config)
     dtype = parse_dtype(opts.dtype) if opts.dtype else None
     why = "--dtype" if dtype is not None else None
     if opts.config:
@@ -262,13 +281,16 @@ def build(opts):
             dtype, key = config_dtype(data)
             if dtype is not None:
                 why = f"the config's {key}; --dtype overrides it"
+        elif not isinstance(config, dict) and hasattr(config, "dtype"):
+            # transformers' from_config builds under config.dtype, whatever the default dtype.
+            config.dtype = dtype
     check_arguments(fn, call, args, kwargs, has_config=bool(opts.config))
     device_ctx = contextlib.nullcontext()
     if opts.device:
         try:
             device = torch.device(opts.device)
         except (RuntimeError, TypeError) as e:
-            raise UsageError(f"--device {opts.device!r}: {first_line(e)}") from None
+            raise UsageError(f"--device {opts.device!r}: {one_line(e)}") from None
         if "device" in kwargs:
             raise UsageError("--device and -k device= both given; use one")
         if _accepts(fn, "device"):
@@ -283,20 +305,8 @@ def build(opts):
     except Exception as e:
         if opts.debug:
             raise
-        raise ConstructorError(f"{call} raised {type(e).__name__}: {first_line(e)}") from e
+        raise ConstructorError(f"{call} raised {type(e).__name__}: {one_line(e)}") from e
     seconds = time.perf_counter() - t0
     used = dtype_name(dtype if dtype is not None else torch.get_default_dtype())
     dtype_text = f"{used} ({why})" if why else f"{used} (PyTorch default)"
     return result, seconds, rss_bytes() - grown_from, call, dtype_text
-
-
-def first_line(e: BaseException) -> str:
-    """The first line of an exception's message, for one-line errors.
-
-    Example::
-
-        >>> first_line(ValueError("bad value\\nmore detail"))
-        'bad value'
-    """
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "(no message)"

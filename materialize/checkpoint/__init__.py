@@ -3,8 +3,10 @@
 ``api.py`` (the entry point), ``sources.py`` (what a source may be),
 ``files.py`` (safetensors and ``torch.save`` files read by position),
 ``entries.py`` (one tensor of a checkpoint), ``copying.py`` (strided
-reads straight into a tensor), ``matching.py`` (keys to tensors),
-``loading.py`` (load nodes on deferred tensors, copies into real ones).
+reads straight into a tensor), ``capture.py`` (the module's own
+``load_state_dict`` run on stand-ins), ``matching.py`` (keys, and what to
+say when they do not fit), ``loading.py`` (load nodes on deferred tensors,
+staged copies into real ones), ``undo.py`` (what a failed call puts back).
 
 Example::
 

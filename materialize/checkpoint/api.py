@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from .loading import prepare
-from .matching import LoadResult, match
+from collections.abc import Mapping
+
+from deferinit.errors import CheckpointError
+
+from .capture import Capture, StandIns, Targets, leaked, walk
+from .loading import Loader
+from .matching import LoadResult, map_keys, map_metadata, result_of
 from .sources import open_source
+from .undo import ModuleState
 
 
 def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, prefix: str = "", rename=None) -> LoadResult:
@@ -16,12 +22,15 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     ``source`` is a state dict, a ``.safetensors`` file, a ``torch.save``
     file (read with ``weights_only=True``), or a directory of safetensors
     files (with or without transformers' ``model.safetensors.index.json``).
-    Names, ``strict``, dtype casting (to the tensor's dtype, as ``copy_``)
-    and tied tensors follow ``load_state_dict``; a tied tensor counts as
-    loaded when the checkpoint has any of its names.  ``prefix`` takes only
-    the checkpoint keys starting with it, without it (``"model."``);
-    ``rename(key)`` maps a checkpoint key to a module key, or to None to
-    skip it.
+    It runs the module's own ``load_state_dict`` on stand-ins for the
+    checkpoint's tensors (:mod:`materialize.checkpoint.capture`), so names,
+    ``strict``, shapes, dtype casting (to the tensor's dtype, as ``copy_``),
+    ``_load_from_state_dict`` overrides, load hooks and lazy modules are
+    ``load_state_dict``'s; a tied tensor counts as loaded when the checkpoint
+    has any of its names.  ``prefix`` takes only the checkpoint keys starting
+    with it, without it (``"model."``); ``rename(key)`` maps a checkpoint key
+    to a module key, or to None to skip it.  When a common prefix explains
+    the keys that do not fit, the error says which argument to pass.
 
     On **deferred** tensors nothing is read now but the headers: shapes are
     checked and the load is recorded.  ``materialize_module`` then reads
@@ -29,8 +38,11 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     the initialisation the checkpoint overwrites; tensors the checkpoint
     lacks keep their recorded initialisation.  A sharded tensor (FSDP2,
     tensor parallel), loaded before or after sharding, reads only the bytes
-    of its shard.  **Real** tensors are loaded at once.  Every check comes
-    before anything is recorded or loaded: on an error, nothing changed.
+    of its shard.  A state dict behaves as if copied at the call.  **Real**
+    tensors are loaded within the call, all or nothing: every read succeeds
+    before anything is written.  An inference tensor is refused outside
+    ``torch.inference_mode()``, as ``load_state_dict`` refuses it.  On an
+    error, no tensor of the module changed.
 
     Example::
 
@@ -47,7 +59,28 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
     entries, what = open_source(source)
-    pairs, result = match(module, entries, prefix=prefix, rename=rename, strict=strict, source=what)
-    for load in prepare(pairs):
-        load()
+    mapped = map_keys(entries, prefix=prefix, rename=rename)
+    metadata = map_metadata(getattr(source, "_metadata", None) if isinstance(source, Mapping) else None, prefix=prefix, rename=rename)
+    standins = StandIns()
+    state_dict = {key: standins.make(entry) for key, entry in mapped.items()}
+    loader = Loader()
+    state = ModuleState(module)
+    try:
+        missing, unexpected, errors = walk(module, state_dict, metadata, Capture(standins, Targets(module), loader))
+        name = leaked(module, standins)
+        if name is not None:
+            raise CheckpointError(
+                f"cannot load {name}: a load hook of {type(module).__name__} put the checkpoint's tensor itself "
+                "into the module instead of copying it, and load_checkpoint reads files lazily: it has no tensor "
+                "to hand out. Pass the file's state dict instead (safetensors.torch.load_file(path)). Nothing "
+                "was loaded or recorded."
+            )
+        result = result_of(
+            module, missing, unexpected, errors, strict=strict, source=what, mapped=mapped, prefix=prefix, keys=list(entries)
+        )
+        loader.finish()
+    except BaseException:
+        loader.undo()
+        state.restore()
+        raise
     return result

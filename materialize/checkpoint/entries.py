@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from deferinit.errors import CheckpointReadError
+from deferinit.errors import CheckpointError, CheckpointReadError
 
 
 def contiguous_strides(shape) -> tuple:
@@ -91,6 +91,10 @@ class Entry:
         """Raise :class:`CheckpointReadError` if the source changed since it was opened."""
         self.source.check(self)
 
+    def kept(self) -> "Entry":
+        """This tensor as it is now, for a load read later (see :meth:`MemorySource.kept`)."""
+        return self.source.kept(self)
+
     def describe(self) -> str:
         return f"{self.key!r} of {self.source.describe()}"
 
@@ -101,21 +105,91 @@ class Entry:
         return f"<Entry {self}>"
 
 
-class MemorySource:
-    """A tensor in memory (a state dict's value), kept by reference with its version."""
+def read_now(entry: Entry, dst: torch.Tensor) -> None:
+    """Read ``entry`` into ``dst`` within a ``load_checkpoint`` call: a failed read
+    (an I/O error, a file cut short since its header was read) is a
+    :class:`CheckpointError` there, before any tensor of the module is written."""
+    try:
+        with torch.no_grad():
+            entry.read_parts(dst)
+    except (CheckpointReadError, OSError) as e:
+        if isinstance(e, CheckpointReadError):
+            reason = str(e).split(" Nothing was changed")[0]
+        else:
+            reason = f"{e.strerror or e}."
+        raise CheckpointError(
+            f"cannot load {entry.describe()}: {reason} Nothing was loaded: every tensor of the module is as it was."
+        ) from None
 
-    def __init__(self, tensor: torch.Tensor):
+
+class MemorySource:
+    """A tensor in memory (a state dict's value).
+
+    ``load_checkpoint`` behaves as if it copied the tensor at the call.  Real
+    tensors are loaded within the call; for a deferred one, :meth:`kept`
+    decides what to keep until materialization: a tensor whose changes its
+    version counter shows is kept by reference (an alias of its memory, so
+    that ``.data = other`` later leaves the load's values alone), and an
+    in-place change since raises :class:`CheckpointReadError` then; an
+    inference tensor, which has no version counter, is copied at the call.
+
+    Example::
+
+        >>> t = torch.ones(2)
+        >>> kept = MemorySource.entry("w", t).kept()
+        >>> t.data = torch.zeros(2)            # the load still reads the ones
+        >>> out = torch.empty(2); kept.read_parts(out); out.tolist()
+        [1.0, 1.0]
+    """
+
+    def __init__(self, tensor: torch.Tensor, version=None, storage=None):
         self.tensor = tensor
-        self.version = None if tensor.is_inference() else tensor._version
+        self.version = version
+        # The memory read: the tensor's at the call (it keeps it if ``.data`` is reassigned).
+        self.storage = storage
 
     @staticmethod
     def entry(key: str, tensor: torch.Tensor) -> Entry:
         return Entry(MemorySource(tensor), key, tensor.dtype, tensor.shape, 0, tensor.storage_offset(), tensor.stride())
 
-    def copy(self, entry, offset, sizes, strides, dst, via=None) -> None:
+    def kept(self, entry) -> Entry:
+        """``entry`` as it is now, to be read at materialization (see the class)."""
+        with torch.no_grad():
+            t = self.tensor
+            if t.is_inference():
+                with torch.inference_mode(False):
+                    copy = self.view(entry).clone()
+                return Entry(MemorySource(copy), entry.key, copy.dtype, copy.shape, 0, 0, copy.stride())
+        # Not t.detach(): made inside a dispatch mode's handler (the walk of
+        # .capture), a detached alias gets a version counter of its own.
+        kept = MemorySource(t, t._version, t.untyped_storage())
+        return Entry(kept, entry.key, entry.dtype, entry.shape, 0, entry.offset, entry.strides)
+
+    def view(self, entry) -> torch.Tensor:
+        """The elements of ``entry``, as a tensor on this memory."""
+        return self._on_memory(entry.offset, entry.shape, entry.strides)
+
+    def _on_memory(self, offset, sizes, strides) -> torch.Tensor:
         t = self.tensor
         with torch.no_grad():
-            src = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), offset, tuple(sizes), tuple(strides))
+            out = torch.empty(0, dtype=t.dtype, device=t.device).set_(self._memory(), offset, tuple(sizes), tuple(strides))
+            # A lazy conjugate or negative view (x.conj()) reads as its values, as copy_ reads it.
+            if t.is_conj():
+                out = out.conj()
+            if t.is_neg():
+                out = torch._neg_view(out)
+            return out
+
+    def _memory(self):
+        return self.storage if self.storage is not None else self.tensor.untyped_storage()
+
+    def memory_key(self) -> tuple:
+        """What identifies the memory read, as :func:`~.capture.storage_key` does."""
+        return (self.tensor.device.type, self._memory()._cdata)
+
+    def copy(self, entry, offset, sizes, strides, dst, via=None) -> None:
+        src = self._on_memory(offset, sizes, strides)
+        with torch.no_grad():
             dst.copy_(src if via is None else src.to(via))
 
     def check(self, entry) -> None:
@@ -129,3 +203,4 @@ class MemorySource:
 
     def describe(self) -> str:
         return "the state dict"
+

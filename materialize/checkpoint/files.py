@@ -1,43 +1,34 @@
 """Checkpoint files: safetensors and ``torch.save`` archives, read by position.
 
-Opening a file reads its header only: safetensors' JSON header, or the
-pickle of a ``torch.save`` zip archive loaded onto the meta device (which
-tells each storage's position in the file).  Tensors are read later, piece
-by piece, with ``pread`` at those positions (:mod:`.copying`).  The file's
-identity (device, inode, size, modification time) is kept: before a replay
+Opening a file reads its header only, and checks it as untrusted input:
+safetensors' JSON header by every rule of the format
+(:mod:`.safetensors_header`), a ``torch.save`` zip archive through its
+central directory and local headers (:mod:`.torch_zip`) and its pickle by
+PyTorch's weights-only unpickler onto meta storages (:mod:`.torch_pickle`).
+Every tensor is then known to lie inside the file.  Tensors are read later,
+piece by piece, with ``pread`` at those positions (:mod:`.copying`); a
+record a zip tool deflated is decompressed whole when read, and the
+elements of a big-endian archive are byte-swapped as ``torch.load`` swaps
+them.  The file's identity (device, inode, size, modification time) is kept: before a replay
 reads it, :meth:`CheckpointFile.check` makes sure it is the same file, or
 at least that its header still says the same about every tensor.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
-import zipfile
+import sys
 
+import numpy
 import torch
 
-from deferinit.errors import CheckpointError, CheckpointReadError
+from deferinit.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
-
-# safetensors dtype names (https://github.com/huggingface/safetensors, format.md).
-SAFETENSORS_DTYPES = {
-    name: getattr(torch, attr)
-    for name, attr in {
-        "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-        "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-        "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
-        "C64": "complex64",
-    }.items()
-    if hasattr(torch, attr)
-}
-# A header larger than this is not a safetensors header (the format's own limit).
-_MAX_HEADER = 100_000_000
+from .safetensors_header import HeaderError, read_header
+from .torch_pickle import PickleError, check_geometry, unpickle
+from .torch_zip import Archive, ArchiveError
 
 
 def _identity(st) -> tuple:
@@ -53,11 +44,15 @@ class CheckpointFile:
     """
 
     kind = "checkpoint"
+    # What a file of this kind must be, for error messages.
+    what = "a checkpoint file"
 
     def __init__(self, path: str):
         self.path = os.path.abspath(os.fspath(path))
         try:
             st = os.stat(self.path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"no checkpoint at {self.path}: no such file or directory.", self.path) from None
         except OSError as e:
             raise CheckpointError(f"cannot open the checkpoint {self.path}: {e.strerror or e}") from None
         self.identity = _identity(st)
@@ -68,16 +63,48 @@ class CheckpointFile:
         """``key -> Entry`` of the file at ``path`` (its header read and checked)."""
         file = cls(path)
         entries = file.parse(CheckpointError)
-        file.layouts = {key: _layout(e) for key, e in entries.items()}
+        file.layouts = {key: file.layout(e) for key, e in entries.items()}
         return entries
 
     def parse(self, error) -> dict:
+        """Read and check the header; ``error``: the class to raise."""
+        try:
+            with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                entries = self._parse(f, st.st_size)
+        except (HeaderError, ArchiveError, PickleError) as e:
+            raise error(f"{self.path} is not {self.what}: {e}.") from None
+        except OSError as e:
+            raise error(f"cannot read {self.path}: {e.strerror or e}") from None
+        self.identity = _identity(st)
+        return entries
+
+    def _parse(self, f, size: int) -> dict:
         raise NotImplementedError
+
+    def layout(self, e: Entry) -> tuple:
+        return (e.dtype, e.shape, e.base, e.offset, e.strides)
 
     def describe(self) -> str:
         return self.path
 
     # -- reading ------------------------------------------------------------
+
+    def reader(self, entry, fd: int):
+        """``read(position, buffer)``: the file's bytes at ``position``."""
+
+        def read(position: int, buffer: memoryview) -> None:
+            done = 0
+            while done < len(buffer):
+                n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
+                if n <= 0:
+                    raise CheckpointReadError(
+                        f"{entry.describe()} ends at byte {position + done} of {len(buffer)} expected "
+                        "(the file is truncated). Nothing was changed; the tensors stay deferred."
+                    )
+                done += n
+
+        return read
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         try:
@@ -90,18 +117,7 @@ class CheckpointFile:
             # Exactly the bytes asked for: no readahead into a shard another rank reads.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         try:
-            def read(position: int, buffer: memoryview) -> None:
-                done = 0
-                while done < len(buffer):
-                    n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
-                    if n <= 0:
-                        raise CheckpointReadError(
-                            f"{entry.describe()} ends at byte {position + done} of {len(buffer)} expected "
-                            "(the file is truncated). Nothing was changed; the tensors stay deferred."
-                        )
-                    done += n
-
-            return copy_strided(read, entry.base, entry.dtype, offset, sizes, strides, dst, via)
+            return copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
         finally:
             os.close(fd)
 
@@ -117,6 +133,7 @@ class CheckpointFile:
             ) from None
         if _identity(st) == self.identity:
             return
+        identity = self.identity
         try:
             entries = self.parse(CheckpointReadError)
         except CheckpointReadError as e:
@@ -125,96 +142,118 @@ class CheckpointFile:
             ) from None
         for key, old in self.layouts.items():
             new = entries.get(key)
-            if new is None or _layout(new) != old:
+            if new is None or self.layout(new) != old:
+                self.identity = identity
                 now = "no such tensor" if new is None else f"{list(new.shape)} {new.dtype}"
                 raise CheckpointReadError(
                     f"{self.path} changed since load_checkpoint read it: {key!r} was "
                     f"{list(old[1])} {old[0]}, now {now} (or at another position). "
                     "Call load_checkpoint again. Nothing was changed; the tensors stay deferred."
                 )
-        self.identity = _identity(st)
-
-    def _check_extent(self, entry, size: int, error) -> None:
-        if not entry.shape or math.prod(entry.shape):
-            last = entry.offset + sum((n - 1) * s for n, s in zip(entry.shape, entry.strides))
-            end = entry.base + (last + 1) * entry.dtype.itemsize
-            if end > size:
-                raise error(
-                    f"{self.path} is truncated: {entry.key!r} ends at byte {end}, the file has {size}."
-                )
-
-
-def _layout(e: Entry) -> tuple:
-    return (e.dtype, e.shape, e.base, e.offset, e.strides)
 
 
 class SafetensorsFile(CheckpointFile):
-    """A ``.safetensors`` file."""
+    """A ``.safetensors`` file, its header checked as the safetensors library checks it."""
 
     kind = "safetensors"
+    what = "a valid safetensors file"
 
-    def parse(self, error) -> dict:
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                raw = f.read(8)
-                if len(raw) < 8:
-                    raise error(f"{self.path} is not a safetensors file: {size} bytes, no header.")
-                (n,) = struct.unpack("<Q", raw)
-                if n > min(_MAX_HEADER, size - 8):
-                    raise error(f"{self.path} is not a safetensors file (or is truncated): its header would be {n} bytes.")
-                header = json.loads(f.read(n))
-        except OSError as e:
-            raise error(f"cannot read {self.path}: {e.strerror or e}") from None
-        except (ValueError, UnicodeDecodeError) as e:
-            raise error(f"{self.path} has a corrupt safetensors header: {e}") from None
-        if not isinstance(header, dict):
-            raise error(f"{self.path} has a corrupt safetensors header (not a JSON object).")
-        start = 8 + n
-        entries = {}
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            try:
-                name, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise error(f"{self.path} has a corrupt safetensors header entry for {key!r}: {info!r}") from None
-            dtype = SAFETENSORS_DTYPES.get(name)
-            if dtype is None:
-                raise error(f"{key!r} of {self.path} has dtype {name}, which this PyTorch cannot hold.")
-            entry = Entry(self, key, dtype, shape, start + begin, 0, contiguous_strides(shape))
-            if end - begin != entry.nbytes:
-                raise error(f"{self.path} has a corrupt safetensors header: {key!r} spans {end - begin} bytes for {list(shape)} {name}.")
-            self._check_extent(entry, size, error)
-            entries[key] = entry
-        return entries
+    def _parse(self, f, size: int) -> dict:
+        _, tensors = read_header(f, size)
+        return {
+            key: Entry(self, key, dtype, shape, position, 0, contiguous_strides(shape))
+            for key, dtype, shape, position in tensors
+        }
 
 
 class TorchFile(CheckpointFile):
     """A ``torch.save`` zip archive (the default format since PyTorch 1.6).
 
-    Loaded onto the meta device with ``weights_only=True``: PyTorch then
-    tells where each storage's bytes are in the file.  Nested dicts are
-    flattened with dots (``{"model": {"w": ...}}`` gives ``"model.w"``).
+    Its tensors are what ``torch.load(path, map_location="cpu",
+    weights_only=True)`` gives; nested dicts are flattened with dots
+    (``{"model": {"w": ...}}`` gives ``"model.w"``).
     """
 
     kind = "torch"
+    what = "a torch.save archive that torch.load(weights_only=True) reads"
 
-    def parse(self, error) -> dict:
-        try:
-            obj = torch.load(self.path, map_location="meta", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means the same
-            raise error(f"cannot read {self.path} with torch.load(weights_only=True): {type(e).__name__}: {e}") from None
-        size = os.stat(self.path).st_size
-        entries = {}
+    def __init__(self, path: str):
+        super().__init__(path)
+        # key -> (the record's name when it is deflated, else None; bytes swapped together)
+        self.records: dict = {}
+
+    def _parse(self, f, size: int) -> dict:
+        archive = Archive(f, size)
+        swap = archive.check() != sys.byteorder.encode()
+
+        def lookup(name: str, nbytes: int):
+            info = archive.get(name)
+            if info is None:
+                raise ArchiveError(f"its pickle names a storage {name!r} that has no record")
+            if info.file_size != nbytes:
+                raise ArchiveError(
+                    f"record {info.orig_filename!r} has {info.file_size} bytes, its pickle says {nbytes}"
+                )
+            return info, archive.position(info)
+
+        obj, storages = unpickle(archive.pickle(), lookup)
+        entries, records = {}, {}
         for key, t in flatten_tensors(obj):
-            base = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-            if base is None:
-                raise error(f"{self.path}: PyTorch did not report where {key!r} is stored in the file.")
-            entry = Entry(self, key, t.dtype, t.shape, base, t.storage_offset(), t.stride())
-            self._check_extent(entry, size, error)
-            entries[key] = entry
+            storage = storages.get(t.untyped_storage()._cdata) if t.is_meta else None
+            if storage is None or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+                raise PickleError(f"{key!r} is not a dense tensor stored in the archive")
+            if t.is_conj() or t.is_neg():
+                raise PickleError(f"{key!r} is saved as a conjugate or negative view, which load_checkpoint does not read")
+            check_geometry(t.storage_offset(), t.shape, t.stride(), t.element_size(), storage.nbytes, repr(key))
+            unit = storage.swap_unit() if swap else 1
+            if unit > 1 and unit != t.element_size() and not (t.is_complex() and 2 * unit == t.element_size()):
+                raise PickleError(f"{key!r} is {t.dtype} over a big-endian {storage.dtype} storage")
+            info, position = storage.info
+            deflated = None if info.compress_type == 0 else info.orig_filename
+            entries[key] = Entry(self, key, t.dtype, tuple(t.shape), position, t.storage_offset(), t.stride())
+            records[key] = (deflated, unit)
+        self.records = records
         return entries
+
+    def layout(self, e: Entry) -> tuple:
+        return (*super().layout(e), self.records.get(e.key))
+
+    def reader(self, entry, fd: int):
+        deflated, unit = self.records[entry.key]
+        read = super().reader(entry, fd)
+        if deflated is not None:
+            read = self._inflated(entry, deflated)
+        if unit == 1:
+            return read
+
+        def swapped(position: int, buffer: memoryview) -> None:
+            read(position, buffer)
+            # Reads are of whole elements: reverse each unit's bytes in place.
+            units = numpy.frombuffer(buffer, dtype=numpy.uint8).reshape(-1, unit)
+            units[:] = units[:, ::-1].copy()
+
+        return swapped
+
+    def _inflated(self, entry, name: str):
+        import zipfile
+
+        try:
+            with zipfile.ZipFile(self.path) as archive, archive.open(name) as member:
+                data = member.read()
+        except Exception as e:  # noqa: BLE001 - a damaged archive, whatever the exception
+            raise CheckpointReadError(
+                f"cannot read {entry.describe()}: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
+            ) from None
+
+        def read(position: int, buffer: memoryview) -> None:
+            if position + len(buffer) > len(data):
+                raise CheckpointReadError(
+                    f"{entry.describe()}: its record has {len(data)} bytes, {position + len(buffer)} are needed. "
+                    "Nothing was changed; the tensors stay deferred."
+                )
+            buffer[:] = data[position : position + len(buffer)]
+
+        return read
 
 
 def flatten_tensors(obj, prefix: str = ""):
@@ -227,4 +266,7 @@ def flatten_tensors(obj, prefix: str = ""):
 
 
 def is_torch_zip(path: str) -> bool:
-    return zipfile.is_zipfile(path)
+    """Whether ``torch.load`` reads ``path`` as a zip archive: it begins with a
+    zip local header (``torch.serialization._is_zipfile``)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"

@@ -1,25 +1,30 @@
-"""Which checkpoint key goes into which tensor of a module, as ``load_state_dict`` does.
+"""Which checkpoint key goes where, and what to say when the keys do not fit.
 
-The module's keys are those of its state dict: parameters and persistent
-buffers under their qualified names, a shared tensor under each of its
-names, in ``state_dict`` order.  Checkpoint keys go through ``prefix`` (only
-keys starting with it count, without it) and ``rename`` (a function from a
-checkpoint key to a module key, or None to skip it).  A tied tensor is
-loaded from each of its names the checkpoint has, in order (the last one
-wins, as with ``load_state_dict``), and it is *missing* only when the
-checkpoint has none of its names (``safetensors.torch.save_model`` and
-transformers save a tied tensor once).  Shapes must be equal;
-``load_state_dict``'s one exception, a shape-``[1]`` tensor for a 0-dim
-parameter, is kept.
+Checkpoint keys go through ``prefix`` (only keys starting with it count,
+without it) and ``rename`` (a function from a checkpoint key to a module
+key, or None to skip it) before ``load_state_dict``'s walk sees them
+(:mod:`.capture`); the walk says which keys are missing and unexpected, as
+``load_state_dict`` does, hooks included.  One difference, kept on purpose:
+a tied tensor is *missing* only when the checkpoint has none of its names
+(``safetensors.torch.save_model`` and transformers save a tied tensor once).
+
+When the keys do not fit because of a common prefix (a ``LlamaForCausalLM``
+checkpoint, keys ``model.…``, for a ``LlamaModel``; or the reverse), the
+error says so and names the argument that fixes it.  Long lists of keys are
+cut to their first few and a count.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import NamedTuple
 
 import torch
 
 from deferinit.errors import CheckpointError, CheckpointMismatchError
+
+# Keys (or messages) shown in an error before "and N more".
+SHOWN = 5
 
 
 class LoadResult(NamedTuple):
@@ -58,10 +63,14 @@ def module_keys(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def match(module: torch.nn.Module, entries: dict, *, prefix: str = "", rename=None, strict: bool = True, source: str = ""):
-    """``(pairs, result)``: ``(key, tensor, entry)`` to load in order, and the
-    missing and unexpected keys; raises :class:`CheckpointMismatchError` on a
-    shape mismatch, or on missing or unexpected keys when ``strict``."""
+def map_keys(entries: dict, *, prefix: str = "", rename=None) -> dict:
+    """``module key -> entry``: the checkpoint's keys through ``prefix`` and ``rename``.
+
+    Example::
+
+        >>> sorted(map_keys({"model.w": 1, "lm_head.w": 2}, prefix="model."))
+        ['w']
+    """
     mapped: dict = {}
     for key, entry in entries.items():
         if prefix:
@@ -77,41 +86,142 @@ def match(module: torch.nn.Module, entries: dict, *, prefix: str = "", rename=No
             key = new
         if key in mapped:
             raise CheckpointError(
-                f"two checkpoint keys become {key!r} ({mapped[key].key!r} and {entry.key!r}); "
+                f"two checkpoint keys become {key!r} ({_key_of(mapped[key])!r} and {_key_of(entry)!r}); "
                 "check prefix= and rename=."
             )
         mapped[key] = entry
+    return mapped
 
-    keys = module_keys(module)
-    names = {k for k, _ in keys}
-    loaded_ids = {id(t) for k, t in keys if k in mapped}
-    pairs, mismatched = [], []
-    for key, tensor in keys:
-        entry = mapped.get(key)
-        if entry is None:
-            continue
-        if tuple(entry.shape) != tuple(tensor.shape):
-            if tensor.dim() == 0 and tuple(entry.shape) == (1,):
-                entry = entry.first()
-            else:
-                mismatched.append(
-                    f"size mismatch for {key}: the checkpoint has {list(entry.shape)} ({entry.describe()}), "
-                    f"the module {list(tensor.shape)}"
-                )
-                continue
-        pairs.append((key, tensor, entry))
-    missing = [k for k, t in keys if k not in mapped and id(t) not in loaded_ids]
-    unexpected = [k for k in mapped if k not in names]
-    problems = list(mismatched)
-    if strict:
-        if missing:
-            problems.append("missing key(s): " + ", ".join(repr(k) for k in missing))
-        if unexpected:
-            problems.append("unexpected key(s): " + ", ".join(repr(k) for k in unexpected))
+
+def _key_of(entry) -> str:
+    return getattr(entry, "key", entry)
+
+
+def map_metadata(metadata, *, prefix: str = "", rename=None):
+    """A state dict's ``_metadata`` (module versions, by module prefix) for the
+    keys after ``prefix``; None when ``rename`` makes module names unknowable."""
+    if metadata is None or rename is not None:
+        return None
+    if not prefix:
+        return metadata
+    head = prefix[:-1] if prefix.endswith(".") else prefix
+    out = type(metadata)()
+    for key, value in metadata.items():
+        if key == head:
+            out[""] = value
+        elif key.startswith(head + "."):
+            out[key[len(head) + 1:]] = value
+    return out
+
+
+def result_of(module, missing, unexpected, errors, *, strict: bool, source: str, mapped, prefix: str = "", keys=()) -> LoadResult:
+    """The call's :class:`LoadResult`, or :class:`CheckpointMismatchError` for
+    ``errors`` (size mismatches...), or missing/unexpected keys when ``strict``
+    (``keys``: the checkpoint's keys before ``prefix``, for the hint)."""
+    tensors = dict(module_keys(module))
+    missing = forgive_ties(missing, tensors)
+    problems = []
+    if errors:
+        problems.append(shorten(errors, "; "))
+    if strict and missing:
+        problems.append(f"{_count(missing, 'missing key')}: " + shorten([repr(k) for k in missing]))
+    if strict and unexpected:
+        problems.append(f"{_count(unexpected, 'unexpected key')}: " + shorten([repr(k) for k in unexpected]))
     if problems:
-        hint = "" if mismatched else " Pass strict=False to load the keys that match, or prefix=/rename= to map names."
+        hint = prefix_hint(missing, unexpected, set(tensors), set(mapped), prefix)
+        if prefix and not mapped and keys:
+            # The prefix took every key away: what would the keys themselves need?
+            hint = f" prefix={prefix!r} matches none of the checkpoint's {len(keys)} keys." + (
+                prefix_hint(missing, list(keys), set(tensors), set(keys)) or f" Its keys: {shorten([repr(k) for k in keys], shown=3)}."
+            )
+        if not hint and not errors:
+            hint = " Pass strict=False to load the keys that match, or prefix=/rename= to map names."
         raise CheckpointMismatchError(
             f"cannot load {source or 'the checkpoint'} into {type(module).__name__}: "
             + "; ".join(problems) + f". Nothing was loaded or recorded.{hint}"
         )
-    return pairs, LoadResult(missing, unexpected)
+    return LoadResult(missing, unexpected)
+
+
+def forgive_ties(missing, tensors: dict) -> list:
+    """``missing`` without the names of tied tensors the checkpoint has under
+    another of their names (``tensors``: module key -> tensor).
+
+    Example::
+
+        >>> w = torch.ones(2)
+        >>> forgive_ties(["head.weight", "norm.weight"], {"wte.weight": w, "head.weight": w, "norm.weight": torch.ones(2)})
+        ['norm.weight']
+    """
+    absent = set(missing)
+    names: dict = {}
+    for key, t in tensors.items():
+        names.setdefault(id(t), []).append(key)
+    return [k for k in missing if k not in tensors or all(n in absent for n in names[id(tensors[k])])]
+
+
+def _count(keys, what: str) -> str:
+    return f"{len(keys)} {what}{'' if len(keys) == 1 else 's'}"
+
+
+def shorten(items, sep: str = ", ", shown: int = SHOWN) -> str:
+    """The first ``shown`` of ``items`` and how many more.
+
+    Example::
+
+        >>> shorten([repr(k) for k in "abcdefg"], shown=3)
+        "'a', 'b', 'c' and 4 more"
+    """
+    items = [str(i).rstrip(". ") for i in items]
+    if len(items) <= shown:
+        return sep.join(items)
+    return sep.join(items[:shown]) + f" and {len(items) - shown} more"
+
+
+def prefix_hint(missing, unexpected, module_names: set, checkpoint_names: set, prefix: str = "") -> str:
+    """What a common prefix explains: the checkpoint's keys are the module's with
+    a prefix in front (``prefix=`` takes it off), or without one the module's
+    keys have (``rename=`` puts it on); "" when no prefix explains most of the
+    missing keys.
+
+    Example::
+
+        >>> prefix_hint(["w", "b"], ["model.w", "model.b", "lm_head.w"], {"w", "b"}, {"model.w", "model.b", "lm_head.w"})
+        " The checkpoint's keys are the module's with 'model.' in front (2 of the 2 missing keys are in it as 'model.' + key): pass prefix='model.'."
+    """
+    if not missing:
+        return ""
+    added = Counter()  # the checkpoint has "p" + a module key
+    for key in unexpected:
+        for p in _heads(key):
+            if key[len(p):] in module_names:
+                added[p] += 1
+    removed = Counter()  # the module has "p" + a checkpoint key
+    for key in missing:
+        for p in _heads(key):
+            if key[len(p):] in checkpoint_names:
+                removed[p] += 1
+    need = (len(missing) + 1) // 2
+    if added:
+        p, n = added.most_common(1)[0]
+        if n >= need:
+            return (
+                f" The checkpoint's keys are the module's with {p!r} in front ({n} of the {len(missing)} missing "
+                f"keys are in it as {p!r} + key): pass prefix={prefix + p!r}."
+            )
+    if removed:
+        p, n = removed.most_common(1)[0]
+        if n >= need:
+            return (
+                f" The module's keys are the checkpoint's with {p!r} in front ({n} of the {len(missing)} missing "
+                f"keys are in it without {p!r}): pass rename=lambda k: {p!r} + k."
+            )
+    return ""
+
+
+def _heads(key: str):
+    """The dotted prefixes of ``key``: ``"a."``, ``"a.b."``... (not the whole key)."""
+    at = key.find(".")
+    while at != -1:
+        yield key[: at + 1]
+        at = key.find(".", at + 1)

@@ -8,23 +8,27 @@
 * a directory: transformers' ``model.safetensors.index.json`` (or
   ``pytorch_model.bin.index.json``) says which file holds which key;
   without one, every ``*.safetensors`` file in it (or else every ``*.bin``,
-  ``*.pt``, ``*.pth`` file).
+  ``*.pt``, ``*.pth`` file).  Only files inside the directory are read
+  (:mod:`.index`).
+
+A path that does not exist raises :class:`CheckpointNotFoundError`, also a
+``FileNotFoundError``.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Mapping
 
 import torch
 
-from deferinit.errors import CheckpointError
+from deferinit.errors import CheckpointError, CheckpointNotFoundError
 from fake import is_fake
 
 from .entries import Entry, MemorySource
 from .files import SafetensorsFile, TorchFile, flatten_tensors, is_torch_zip
+from .index import inside, read_index
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -60,7 +64,7 @@ def open_source(source) -> tuple[dict, str]:
     if os.path.isdir(path):
         return _directory(path), path
     if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.")
+        raise CheckpointNotFoundError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.", os.path.abspath(path))
     return open_file(path), os.path.abspath(path)
 
 
@@ -70,10 +74,18 @@ def open_file(path: str) -> dict:
     dict read at once."""
     if path.endswith(".safetensors"):
         return SafetensorsFile.open(path)
-    if is_torch_zip(path):
+    try:
+        zipped = is_torch_zip(path)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.", os.path.abspath(path)) from None
+    except OSError as e:
+        raise CheckpointError(f"cannot open the checkpoint {os.path.abspath(path)}: {e.strerror or e}") from None
+    if zipped:
         return TorchFile.open(path)
     try:
         return SafetensorsFile.open(path)
+    except CheckpointNotFoundError:
+        raise
     except CheckpointError:
         pass
     try:
@@ -112,15 +124,23 @@ def _directory(path: str) -> dict:
     files: dict[str, object] = {}
     entries: dict = {}
     if index is not None:
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"cannot read the index {index}: {e}") from None
+        inside(path, os.path.basename(index), "the folder")
+        weight_map = read_index(index)
         for key, name in weight_map.items():
             file = files.get(name)
             if file is None:
-                file = files[name] = open_file(os.path.join(path, name))
+                where = inside(path, name, f"the index {index}, for {key!r},")
+                if not os.path.exists(where):
+                    raise CheckpointNotFoundError(
+                        f"the index {index} puts {key!r} in {name}, which does not exist ({os.path.abspath(where)}).",
+                        os.path.abspath(where),
+                    )
+                try:
+                    file = files[name] = open_file(where)
+                except CheckpointNotFoundError:
+                    raise
+                except CheckpointError as e:
+                    raise CheckpointError(f"{e} (the index {index} names it for {key!r})") from None
             entry = file.get(key)
             if entry is None:
                 raise CheckpointError(f"{index} puts {key!r} in {name}, which has no such tensor.")
@@ -132,7 +152,7 @@ def _directory(path: str) -> dict:
     if not names:
         raise CheckpointError(f"{os.path.abspath(path)} holds no *.safetensors, *.bin, *.pt or *.pth file.")
     for name in names:
-        for key, entry in open_file(name).items():
+        for key, entry in open_file(inside(path, os.path.basename(name), "the folder")).items():
             if key in entries:
                 raise CheckpointError(
                     f"{key!r} is in both {entries[key].source.describe()} and {name}; pass one file, "

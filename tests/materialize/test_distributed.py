@@ -102,6 +102,28 @@ def test_fsdp1_param_init_fn_and_check_fn_forms():
         assert r["calls"][-4:] == ["Net", "Embedding", "ModuleList", "Linear"]
 
 
+def test_fsdp1_without_hooks_names_fsdp1_hooks():
+    results = run_ranks(workers.case_fsdp1_without_hooks, 2)
+    for messages in results:
+        for form in ("torchdistx param_init_fn", "FSDP's own detection"):
+            message = messages[form]
+            assert message.startswith("FullyShardedDataParallel (FSDP1) is flattening deferred parameters (")
+            assert "fc1.weight" in message and "neither called param_init_fn nor materialized them" in message
+            assert "materialize.distributed.fsdp1_hooks()" in message
+            assert "with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn" in message
+            assert "build the model again (deferred_init)" in message
+        message = messages["param_init_fn that does nothing"]
+        assert "its param_init_fn left these parameters deferred" in message
+        assert "param_init_fn=materialize.distributed.param_init_fn" in message
+
+
+def test_fsdp1_on_one_rank_without_hooks_warns_naming_fsdp1_hooks():
+    (messages,) = run_ranks(workers.case_fsdp1_one_rank_without_hooks, 1)
+    assert len(messages) == 1, messages
+    assert messages[0].startswith("FullyShardedDataParallel (FSDP1) wraps a module that is still deferred")
+    assert "with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn" in messages[0]
+
+
 # -- the harness never hangs ---------------------------------------------------------------
 
 
@@ -113,8 +135,10 @@ def test_a_failing_rank_fails_the_test_with_its_traceback():
 
 
 def test_a_hanging_rank_times_out_and_is_killed():
+    # The deadline covers starting the ranks (spawn, import torch, join the
+    # group): on a loaded 2-core machine 8 s did not leave rank 1 time to answer.
     with pytest.raises(RanksTimedOut, match=r"ranks \[0\]"):
-        run_ranks(workers.case_one_rank_hangs, 2, timeout=8)
+        run_ranks(workers.case_one_rank_hangs, 2, timeout=30)
 
 
 # -- single process ------------------------------------------------------------------------

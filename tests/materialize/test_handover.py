@@ -247,3 +247,73 @@ def test_handover_waits_while_a_drawn_tensor_stays_deferred():
     materialize_tensor(d.bias)
     assert_same_tensors(eager, d)
     assert_stream(eager_after, torch.rand(8))
+
+
+def _tensor_and_empty_piece():
+    t = torch.randn(5, 3)
+    return t, t.new_zeros(0, 3)  # as DTensor makes a rank's empty piece
+
+
+def test_handover_after_a_draw_read_for_its_geometry_only():
+    """A tensor that depends on a draw only for its geometry: the draw is not
+    needed for values, but eager made it, and the drawn tensor staying deferred
+    must not make the generator wait (ranks of a sharded model would disagree)."""
+    torch.manual_seed(0)
+    eager_t, eager_piece = _tensor_and_empty_piece()
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    t, piece = deferred_init(_tensor_and_empty_piece)
+    materialize_tensor(piece)
+    state = torch.get_rng_state()
+    assert_stream(eager_after, torch.rand(8))
+    torch.set_rng_state(state)
+    materialize_tensor(t)  # the generator was handed over already: it stays
+    assert torch.equal(t, eager_t) and torch.equal(piece, eager_piece)
+    assert_stream(eager_after, torch.rand(8))
+
+
+class RandomFactoryParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(4))
+
+
+def test_handover_waits_for_a_random_factory_a_load_overwrites():
+    """As for nn.init fills a checkpoint overwrites: a parameter made by a random
+    factory and loaded is allocated, not drawn, and the generator stays where
+    deferral left it."""
+    from materialize import load_checkpoint
+
+    torch.manual_seed(0)
+    untouched = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(RandomFactoryParameter)
+    load_checkpoint(d, {"p": torch.ones(4)})
+    materialize_module(d)
+    assert torch.equal(d.p, torch.ones(4))
+    assert_stream(untouched, torch.rand(8))
+
+
+class TwoDevices(nn.Module):
+    def __init__(self, first, second):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, device=second))
+        self.b = nn.Parameter(torch.randn(4, device=first))
+        self.c = nn.Parameter(torch.randn(4, device=second))
+
+
+@pytest.mark.parametrize("order", [["b"], ["c"], ["c", "b", "a"], ["a", "b", "c"], ["b", "c", "a"]], ids="-".join)
+def test_a_record_of_two_devices_materialized_on_one_in_any_order(order):
+    """With device=, every draw comes from the target device's generator in
+    recorded order, also when a tensor of one recorded device is materialized
+    before (or without) those of the other."""
+    torch.manual_seed(0)
+    eager = TwoDevices("cpu", "cpu")
+    eager_after = torch.rand(8)
+    torch.manual_seed(0)
+    d = deferred_init(TwoDevices, "cpu", "cuda")
+    for name in order:
+        materialize_tensor(getattr(d, name), device="cpu")
+        assert torch.equal(getattr(d, name), getattr(eager, name)), f"{name} differs from eager on cpu"
+    if len(order) == 3:
+        assert_stream(eager_after, torch.rand(8))

@@ -1,0 +1,154 @@
+"""A real tensor given a fake's memory: ``real.data = fake``, ``real.set_(fake, ...)``.
+
+Eagerly ``p.data = t`` makes ``p`` share ``t``'s memory and keeps ``p`` itself:
+its identity, class, ``requires_grad`` and attributes
+(``torch.nn.utils.vector_to_parameters``, ``Module._apply``, PEFT's PiSSA and
+OLoRA initialisations do it).  In C++ that copies ``t``'s tensor fields into
+``p``; for a fake ``t``, which has no memory, ``p`` would look real, hold
+nothing, and crash the process at the first kernel that reads it.  The C++
+setter, like the C++ decomposition of ``p.set_(t, offset, size, stride)``,
+never asks ``t``'s class, so ``torch.Tensor.data`` and ``torch.Tensor.set_``
+are replaced once, when the Fake layer is imported, by versions that hand an
+operation with a fake argument on a real tensor to this module; everything
+else goes straight to PyTorch's own.
+
+Here ``p`` becomes a fake in place (the same Python object, with its class
+remembered for materialization, its ``requires_grad`` and its attributes),
+on ``t``'s memory: a deferred fake when ``t`` is deferred, so that
+materialization computes it, aliasing ``t`` as eagerly.  What cannot become
+a fake (a tensor with a ``.grad``, a non-leaf, a view, a tensor subclass
+with a dispatch of its own) raises :class:`~fake.errors.FakeIntoRealError`
+and is left as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FakeIntoRealError
+from .subclass import fake_class, remember_class
+from .tensor import FakeTensor, describe
+
+_DATA = torch._C.TensorBase.data
+_SET = torch._C.TensorBase.set_
+_DEFAULT_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _set_data(self, new) -> None:
+    if isinstance(new, FakeTensor) and not isinstance(self, FakeTensor):
+        _check_data(self, new)
+        become_fake(self, new, "tensor.data = fake")
+        return
+    _DATA.__set__(self, new)
+
+
+def _set_(self, *args, **kwargs):
+    if not isinstance(self, FakeTensor):
+        source = kwargs.get("source", args[0] if args else None)
+        if isinstance(source, FakeTensor):
+            return _as_fake_then(self, source, "tensor.set_(fake)", lambda: self.set_(*args, **kwargs))
+    return _SET(self, *args, **kwargs)
+
+
+_set_.__doc__ = _SET.__doc__
+_set_.__name__ = "set_"
+_set_.__qualname__ = "Tensor.set_"
+
+#: ``torch.Tensor.data``: PyTorch's getter, and a setter that sends fakes here.
+DATA = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
+
+
+def install() -> None:
+    """Put :data:`DATA` and the ``set_`` above on ``torch.Tensor`` (once, idempotent).
+
+    Example::
+
+        >>> install()
+        >>> with fake_mode():
+        ...     f = torch.ones(3)
+        >>> p = torch.nn.Parameter(torch.zeros(2))
+        >>> p.data = f
+        >>> is_fake(p), isinstance(p, torch.nn.Parameter), p.shape
+        (True, True, torch.Size([3]))
+    """
+    if vars(torch.Tensor).get("data") is not DATA:
+        torch.Tensor.data = DATA
+        torch.Tensor.set_ = _set_
+
+
+def _check_data(self, new) -> None:
+    # Eager's own check (VariableHooks::set_data), before anything changes.
+    if self.requires_grad and not (new.is_floating_point() or new.is_complex()):
+        raise RuntimeError("data set to a tensor that requires gradients must be floating point or complex dtype")
+
+
+def _as_fake_then(real, like, operation: str, op):
+    """Make ``real`` a fake aliasing ``like``, then run ``op`` on it; undone if ``op`` fails."""
+    undo = become_fake(real, like, operation)
+    try:
+        return op()
+    except BaseException:
+        undo()
+        raise
+
+
+def become_fake(real: torch.Tensor, like: FakeTensor, operation: str):
+    """Turn ``real`` into a fake sharing ``like``'s memory, in place; returns an undo.
+
+    The Python object stays the same; its class becomes one that
+    materialization turns back into ``type(real)``; ``requires_grad`` and the
+    user's attributes stay.  Raises :class:`FakeIntoRealError` (``real``
+    unchanged) for what could not be given back as it was.
+
+    Example::
+
+        >>> with fake_mode():
+        ...     f = torch.ones(2, 3)
+        >>> t = torch.zeros(5)
+        >>> _ = become_fake(t, f, "example")
+        >>> is_fake(t), t.shape
+        (True, torch.Size([2, 3]))
+    """
+    _refuse_unless_leaf(real, like, operation)
+    cls = type(real)
+    stand = like.detach()  # the same value under a new fake object
+    if real.requires_grad:
+        stand.requires_grad_(True)
+    if cls is not torch.Tensor:
+        if cls is not torch.nn.Parameter:
+            stand.__class__ = fake_class(cls)
+        remember_class(stand, cls)
+    for key, value in real.__dict__.items():
+        stand.__dict__.setdefault(key, value)
+    _exchange(real, stand)
+    return lambda: _exchange(real, stand)
+
+
+def _exchange(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange two tensor objects' contents: class, ``__dict__`` and C++ tensor."""
+    for name in ("__class__", "__dict__"):
+        mine, theirs = getattr(a, name), getattr(b, name)
+        setattr(a, name, theirs)
+        setattr(b, name, mine)
+    torch._C._swap_tensor_impl(a, b)
+
+
+def _refuse_unless_leaf(real: torch.Tensor, like: FakeTensor, operation: str) -> None:
+    cls = type(real)
+    if getattr(cls, "__torch_dispatch__", _DEFAULT_DISPATCH) is not _DEFAULT_DISPATCH:
+        why = f"it is a {cls.__name__}, a tensor subclass with a dispatch of its own, which cannot hold a fake"
+    elif real.grad is not None:
+        why = "it has a .grad, which a tensor without values cannot keep (set .grad = None first)"
+    elif real.grad_fn is not None or real._base is not None:
+        why = "it is not a leaf (it has a grad_fn or is a view), and its autograd history cannot be kept"
+    elif real.is_inference():
+        why = "it is an inference tensor"
+    else:
+        return
+    raise FakeIntoRealError(
+        f"{operation}: would give the real tensor {describe(real)} the memory of the fake "
+        f"tensor {describe(like)}, which has none, but {why}. A real tensor given a fake's "
+        "memory becomes that fake, in place (materialization then computes it); assign to a "
+        "leaf tensor without .grad, create the destination inside deferred() too, or "
+        "materialize the source first (materialize_tensor)."
+    )

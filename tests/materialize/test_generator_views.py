@@ -1,0 +1,315 @@
+"""A recording thread's own view of the default generator (issue 19, items 2 and 4).
+
+* Other threads drawing from the shared default generator while a thread
+  records leave that record as an eager run without their draws: real
+  threads drawing in a loop, compared with eager construction.
+* This thread's own changes of the generator that torch's Python API does
+  not see (a reference to the real generator object kept from before
+  recording; ``torch._C.default_generator``, ``torch.random.default_generator``)
+  are still followed, as eagerly; the per-draw check that notices them is
+  the generator's seed, so other threads' draws are not taken for them.
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+from deferinit import deferred, deferred_init
+from helpers import assert_same_tensors, build_and_compare
+from materialize import materialize_module
+
+# A reference to the real default generator taken before any recording, as
+# a library holding torch.default_generator from its import would.
+REAL = torch.default_generator
+
+
+class Two(nn.Module):
+    """Two Linears: the second one's draws start where the first one's end."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.register_buffer("noise", torch.randn(d))
+
+
+class Drawing:
+    """A thread drawing from the default generator in a loop until stopped
+    (with ``seeds``, it also seeds the generator through torch's API now and then)."""
+
+    def __init__(self, seeds=False):
+        self.stop = threading.Event()
+        self.seeds = seeds
+        self.draws = 0
+        self.error = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            while not self.stop.is_set():
+                if self.seeds and self.draws % 7 == 0:
+                    torch.manual_seed(1000 + self.draws)
+                torch.rand(64)
+                self.draws += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def __enter__(self):
+        self.thread.start()
+        while self.draws < 10:  # it is really drawing
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "the drawing thread hung"
+        if self.error is not None:
+            raise self.error
+
+
+def _seeded_two(seed):
+    torch.manual_seed(seed)
+    return Two()
+
+
+@pytest.mark.parametrize("seeds", [False, True], ids=["draws", "draws and seeds"])
+def test_another_thread_drawing_in_a_loop_leaves_each_record_eager(seeds):
+    """Models deferred (each seeded inside its deferral) while another thread
+    draws (and seeds) without pause: every model equals eager construction,
+    which no interleaving of the other thread's draws could give otherwise."""
+    seeds_ = range(6)
+    eager = {s: _seeded_two(s) for s in seeds_}
+    models = {}
+    with Drawing(seeds) as other:
+        for s in seeds_:
+            with deferred():
+                models[s] = _seeded_two(s)
+        drawn = other.draws
+    assert drawn > 10
+    for s in seeds_:
+        materialize_module(models[s])
+        assert_same_tensors(eager[s], models[s])
+
+
+class StateThenTwo(nn.Module):
+    """Keeps the state its construction started from (what eager starts from)."""
+
+    def __init__(self, started: threading.Event, go_on: threading.Event):
+        super().__init__()
+        self.register_buffer("start", torch.get_rng_state())
+        self.a = nn.Linear(16, 16)
+        started.set()
+        assert go_on.wait(60)
+        self.b = nn.Linear(16, 16)
+
+
+def test_another_threads_draws_in_the_middle_of_a_constructor_are_not_seen():
+    """The other thread draws between the two Linears, while recording is held
+    open: the second Linear continues the first one's draws, as eagerly
+    without the other thread, and once materialized the generator is where
+    that eager run leaves it."""
+    started, go_on = threading.Event(), threading.Event()
+    torch.manual_seed(3)
+    box = {}
+    recorder = threading.Thread(target=lambda: box.update(m=deferred_init(StateThenTwo, started, go_on)), daemon=True)
+    recorder.start()
+    assert started.wait(60)
+    drawn = [torch.rand(100) for _ in range(50)]  # this thread draws meanwhile
+    go_on.set()
+    recorder.join(60)
+    assert not recorder.is_alive()
+    d = box["m"]
+    materialize_module(d)
+    after = torch.rand(8)
+
+    torch.set_rng_state(d.start.clone())
+    ready = threading.Event()
+    ready.set()
+    eager = StateThenTwo(threading.Event(), ready)
+    assert_same_tensors(eager, d)
+    assert torch.equal(after, torch.rand(8)), "the generator is not where eager construction leaves it"
+    assert len(drawn) == 50
+
+
+def test_another_threads_manual_seed_is_not_taken_for_this_threads():
+    """Another thread seeding through torch's API while this one records: the
+    record keeps its own view (the seed is the other thread's doing)."""
+    started, go_on = threading.Event(), threading.Event()
+    torch.manual_seed(3)
+    box = {}
+    recorder = threading.Thread(target=lambda: box.update(m=deferred_init(StateThenTwo, started, go_on)), daemon=True)
+    recorder.start()
+    assert started.wait(60)
+    torch.manual_seed(1234)
+    torch.rand(10)
+    go_on.set()
+    recorder.join(60)
+    assert not recorder.is_alive()
+    d = box["m"]
+    materialize_module(d)
+    torch.set_rng_state(d.start.clone())
+    ready = threading.Event()
+    ready.set()
+    assert_same_tensors(StateThenTwo(threading.Event(), ready), d)
+
+
+# -- this thread's changes that torch's Python API does not see ------------------------
+
+
+class ReseedByReference(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        how()
+        self.b = nn.Linear(4, 4)
+
+
+RESEEDS = {
+    "reference.manual_seed(5)": lambda: REAL.manual_seed(5),
+    "reference.set_state(seed 7's)": lambda: REAL.set_state(torch.Generator().manual_seed(7).get_state()),
+    "torch._C.default_generator.manual_seed(0)": lambda: torch._C.default_generator.manual_seed(0),
+    "torch._C.default_generator.manual_seed(5)": lambda: torch._C.default_generator.manual_seed(5),
+    "torch.random.default_generator.manual_seed(5)": lambda: torch.random.default_generator.manual_seed(5),
+    "torch._C.default_generator.seed()": lambda: torch._C.default_generator.seed(),
+}
+
+
+@pytest.mark.parametrize("how", list(RESEEDS))
+def test_reseeding_outside_the_python_api_inside_a_constructor(how):
+    """Values, the generator afterwards and initial_seed() as eager."""
+    if how.endswith("seed()"):
+        # A nondeterministic seed: the deferred run's own is the reference.
+        torch.manual_seed(0)
+        d = deferred_init(ReseedByReference, RESEEDS[how])
+        seed = torch.initial_seed()
+        assert seed != 0
+        materialize_module(d)
+        after = torch.rand(8)
+        torch.manual_seed(0)
+        eager = nn.Linear(4, 4)
+        torch.manual_seed(seed)
+        assert torch.equal(d.a.weight, eager.weight) and torch.equal(d.b.weight, nn.Linear(4, 4).weight)
+        assert torch.equal(after, torch.rand(8))
+        return
+    eager, d = build_and_compare(ReseedByReference, RESEEDS[how])
+    torch.manual_seed(0)
+    ReseedByReference(RESEEDS[how])
+    eager_seed = torch.initial_seed()
+    torch.manual_seed(0)
+    deferred_init(ReseedByReference, RESEEDS[how])
+    assert torch.initial_seed() == eager_seed
+
+
+class ReseedThenRead(nn.Module):
+    """A reseed by reference, then the state read through torch's API before any draw."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        REAL.manual_seed(5)
+        self.register_buffer("state", torch.get_rng_state())
+        self.seed = torch.initial_seed()
+        self.b = nn.Linear(4, 4)
+
+
+class ReseedLast(nn.Module):
+    """A reseed by reference after the last draw: eager ends there."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        REAL.manual_seed(9)
+
+
+@pytest.mark.parametrize("cls", [ReseedThenRead, ReseedLast], ids=lambda c: c.__name__)
+def test_reseed_by_reference_seen_by_the_next_read_or_at_the_end(cls):
+    eager, d = build_and_compare(cls)
+    if hasattr(eager, "seed"):
+        assert d.seed == eager.seed
+
+
+def test_the_real_generator_objects_outside_recording():
+    """torch._C.default_generator and torch.random.default_generator are the real
+    generator outside recording, in other threads, and once recording ends."""
+    seen = {}
+    other = {}
+
+    def look():
+        other["C"] = torch._C.default_generator
+        other["random"] = torch.random.default_generator
+
+    def build():
+        seen["C"] = torch._C.default_generator
+        seen["random"] = torch.random.default_generator
+        t = threading.Thread(target=look)
+        t.start()
+        t.join(60)
+        return nn.Linear(2, 2)
+
+    deferred_init(build)
+    assert seen["C"] is seen["random"] and seen["C"] is not REAL  # the recording thread's stand-in
+    assert other["C"] is REAL and other["random"] is REAL
+    assert torch._C.default_generator is REAL and torch.random.default_generator is REAL
+    assert type(torch._C) is type(threading) and type(torch.random) is type(threading)
+
+
+# -- deferinit's own writes of a generator, seen from a thread recording meanwhile -------
+
+
+class SeedsInside(nn.Module):
+    """Seeds inside its constructor: the deferral leaves the generator seeded so."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a = nn.Linear(3, 3)
+
+
+class CudaSeedInside(nn.Module):
+    """Recorded for CUDA with a CUDA seed: materialized on CPU, the CPU generator
+    draws it, and the hand-over leaves the CPU generator with that seed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.cuda.manual_seed(7)
+        self.a = nn.Linear(3, 3, device="cuda")
+
+
+def _close_a_seeding_deferral():
+    deferred_init(SeedsInside)
+
+
+def _hand_over_a_new_seed():
+    d = deferred_init(CudaSeedInside)
+    seed = torch.initial_seed()
+    materialize_module(d, device="cpu")
+    assert torch.initial_seed() == 7 != seed  # the hand-over changed the seed
+
+
+@pytest.mark.parametrize("meanwhile", [_close_a_seeding_deferral, _hand_over_a_new_seed], ids=["closing", "hand-over"])
+def test_another_threads_deferral_setting_the_generator_is_not_this_threads(meanwhile):
+    """Another thread's deferral ending (it leaves the generator seeded as its
+    constructor did) or a materialization handing the generator over, while
+    this thread records: what deferinit itself writes into the generator is
+    not this thread's reseed, and the record equals eager construction."""
+    started, go_on = threading.Event(), threading.Event()
+    torch.manual_seed(3)
+    box = {}
+    recorder = threading.Thread(target=lambda: box.update(m=deferred_init(StateThenTwo, started, go_on)), daemon=True)
+    recorder.start()
+    assert started.wait(60)
+    try:
+        meanwhile()
+    finally:
+        go_on.set()
+        recorder.join(60)
+    assert not recorder.is_alive()
+    d = box["m"]
+    materialize_module(d)
+    torch.set_rng_state(d.start.clone())
+    ready = threading.Event()
+    ready.set()
+    assert_same_tensors(StateThenTwo(threading.Event(), ready), d)
