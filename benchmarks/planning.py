@@ -15,6 +15,11 @@ plan`` runs).  Rows:
   latter.  Both report the same peak.
 * **deferinit, unsharded**: the whole model on one fake cuda device.
 * **transformers LlamaForCausalLM**, 70B config, deferinit, fake cuda, 8 ranks.
+* **fp32 masters + bf16 FSDP2 + checkpointing**: the recipe of
+  docs/planning.md (``deferinit plan --mixed-precision bf16 --checkpointing
+  --shard 8``): built in float32, ``deferinit.cli.recipe.plan_step`` applies
+  activation checkpointing and FSDP2 with a bf16 ``MixedPrecisionPolicy``
+  (its "shard" time is inside the step's), AdamW foreach.
 
 Each row runs in a fresh process; times are wall clock (the machine is
 shared: CPU seconds of the process are given too).  Run: ``python
@@ -43,6 +48,7 @@ CASES = {
     "faketensormode-cpu": "FakeTensorMode, cpu, 8 ranks",
     "deferinit-unsharded": "deferinit, fake cuda, unsharded",
     "transformers-cuda": "deferinit, transformers LlamaForCausalLM, fake cuda, 8 ranks",
+    "recipe-cuda": "deferinit, fp32 masters + bf16 FSDP2 + checkpointing, fake cuda, 8 ranks",
 }
 
 
@@ -70,6 +76,7 @@ def child(case: str, quick: bool) -> dict:
     from deferinit import deferred_init
     from deferinit.cli.fakedist import fake_ranks
     from deferinit.cli.plan import shard
+    from deferinit.cli.recipe import Recipe, plan_step
     from deferinit.cli.step import measure_step
     from deferinit.demo import Llama
     from fake import fake_mode
@@ -77,7 +84,8 @@ def child(case: str, quick: bool) -> dict:
     shape, batch = _shape(quick)
     device = "cpu" if case.endswith("-cpu") else "cuda"
     start_cpu, start = time.process_time(), time.perf_counter()
-    torch.set_default_dtype(torch.bfloat16)
+    recipe = case.startswith("recipe")
+    torch.set_default_dtype(torch.float32 if recipe else torch.bfloat16)  # the recipe's masters are float32
     try:
         if case == "faketensormode-cpu":
             mode = FakeTensorMode()
@@ -92,13 +100,17 @@ def child(case: str, quick: bool) -> dict:
     built = time.perf_counter()
     ranks = contextlib.nullcontext() if case == "deferinit-unsharded" else fake_ranks(8, 0, device)
     with ranks as mesh, mode:
-        if mesh is not None:
+        if mesh is not None and not recipe:
             shard(model, mesh)
         sharded = time.perf_counter()
         ids = torch.randint(0, 1000, batch, device=device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         args, kwargs = ((), {"input_ids": ids, "labels": ids}) if case.startswith("transformers") else ((ids,), {})
-        measured = measure_step(model, args, kwargs, opt, token_ids=ids, sharded=mesh is not None)
+        if recipe:
+            steps = Recipe(mixed_precision=torch.bfloat16, checkpointing=True, foreach=True)
+            measured = plan_step(model, args, kwargs, steps, mesh=mesh, token_ids=ids)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+            measured = measure_step(model, args, kwargs, opt, token_ids=ids, sharded=mesh is not None)
     done = time.perf_counter()
     peak = {str(d): v["Total"] for d, v in measured.peak.items()}
     return {

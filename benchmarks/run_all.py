@@ -23,7 +23,7 @@ BENCHMARKS = [
     ("Loading a checkpoint", "checkpoint", "A safetensors checkpoint into the 185M GPT and a transformers Llama: eager, meta + to_empty, accelerate, deferred_init + load_checkpoint (and from_pretrained); then 2 FSDP2 ranks, each reading its own rows; then the GPT as a distributed checkpoint (dcp.save on 2 ranks), loaded the torchtitan way (meta + to_empty + init + dcp.load) and with load_checkpoint, on 1 and 2 ranks."),
     ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
     ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),
-    ("Planning a training step", "planning", "One training step of the 70B Llama (bf16, batch 1x4096) on fake devices under PyTorch's FSDPMemTracker and FlopCounterMode, sharded over 8 fake ranks: deferinit against PyTorch's FakeTensorMode where it can run."),
+    ("Planning a training step", "planning", "One training step of the 70B Llama (bf16, batch 1x4096) on fake devices under PyTorch's FSDPMemTracker and FlopCounterMode, sharded over 8 fake ranks: deferinit against PyTorch's FakeTensorMode where it can run; and the recipe of docs/planning.md (fp32 master weights, bf16 FSDP2 compute, activation checkpointing)."),
     ("What the patches cost code that is not deferred", "patch_overhead", "Nanoseconds per call of .data, .data =, set_, nn.Parameter and random calls, each column in a fresh process: PyTorch alone, the packages imported, after a fake was made, while a deferral's draws are pending (random calls with a generator of their own), after that deferral warned."),
 ]
 

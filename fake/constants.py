@@ -1,11 +1,14 @@
-"""Known values: small fakes that keep the real value they would have.
+"""Known values: fakes whose value follows from Python numbers, shapes and
+``arange`` keep the real value they would have.
 
 An optimizer keeps its step counter in a tensor made from a Python number
 (``torch.tensor(0.0)``), adds one to it and reads it back with ``.item()``;
-a learning-rate scheduler computes its factor the same way.  Those values
-depend on nothing unknown, so a fake can keep them, as PyTorch's
-``FakeTensorMode`` keeps its "constants": a training step then runs on
-fakes without reading anything a fake cannot know.
+a learning-rate scheduler computes its factor the same way; transformers'
+masking code checks position ids made with ``torch.arange`` before it
+decides how to mask (``bool((mask[:, -1] == 0).all())``).  Those values
+depend on nothing unknown, so a fake keeps them and such checks get eager
+PyTorch's answer: the step planned on fakes takes the path the real step
+takes.
 
 The rule, applied to every operator the plain fake handler computes:
 
@@ -13,9 +16,17 @@ The rule, applied to every operator the plain fake handler computes:
   fake whose memory holds a known value) and the operator is deterministic
   (not random, not an ``empty*`` factory whose memory is uninitialised), it
   is also computed for real, on CPU, on those values; a fresh output of at
-  most :data:`CONSTANT_NUMEL_LIMIT` elements keeps its value;
+  most :data:`KNOWN_LIMIT_BYTES` bytes keeps its value (factories such as
+  ``zeros``, ``full`` and ``arange`` have no tensor argument: they are known
+  whatever their size up to that limit);
 * any other operator that writes a tensor in place makes the value of that
   tensor's memory unknown.
+
+The limit bounds what knowing costs: the real bytes kept, and the real
+computation of each operator on them.  It is
+``DEFERINIT_KNOWN_LIMIT_BYTES`` (default 1 MiB, e.g. the int64 position
+ids of 16 sequences of 8192 tokens); PyTorch's ``FakeTensorMode`` keeps
+constants of one element only.
 
 The value belongs to the *memory*, not to one tensor object: it is kept on
 the fake storage (:mod:`fake.storage`) as real bytes of the same size, and
@@ -30,9 +41,10 @@ Example::
     >>> with fake_mode():
     ...     step = torch.tensor(0.0)
     ...     step += 1
-    ...     weights = torch.ones(3)
-    >>> step.item(), float(step * 2 + 1)
-    (1.0, 3.0)
+    ...     positions = torch.arange(4096).unsqueeze(0)
+    ...     weights = torch.randn(3)
+    >>> step.item(), float(step * 2 + 1), bool((positions.diff() == 1).all())
+    (1.0, 3.0, True)
     >>> weights.sum().item()
     Traceback (most recent call last):
     fake.errors.FakeDataAccessError: item() needs the data of a fake tensor ...
@@ -40,15 +52,16 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .bypass import no_python_dispatch
 from .flat import flatten_output, unflatten
 from .storage import storage_of
 
-#: Fresh outputs with at most this many elements keep their value (PyTorch's
-#: FakeTensorMode uses the same limit).
-CONSTANT_NUMEL_LIMIT = 1
+#: Fresh outputs of at most this many bytes keep their value.
+KNOWN_LIMIT_BYTES = int(os.environ.get("DEFERINIT_KNOWN_LIMIT_BYTES", str(1 << 20)))
 
 _KEY = "_constant"
 _CPU = torch.device("cpu")
@@ -133,7 +146,7 @@ def after(call, func, fake_type) -> None:
         _forget_all(call.mutated)
         return
     for _, fake in call.fresh:
-        if fake.numel() > CONSTANT_NUMEL_LIMIT and _known(fake.__dict__["_shadow"]) is None:
+        if fake.numel() * fake.element_size() > KNOWN_LIMIT_BYTES and _known(fake.__dict__["_shadow"]) is None:
             _forget_all(call.mutated)
             return
     real = _real_args(call.flat, fake_type)
@@ -156,10 +169,11 @@ def after(call, func, fake_type) -> None:
             continue  # a view of a known memory: it reads the same bytes
         if isinstance(value, torch.Tensor) and value.shape == shadow.shape and value.dtype == shadow.dtype:
             _keep(shadow, value)
+    mutated = {id(m) for m in call.mutated}
     for i, x in enumerate(call.flat):
         # An in-place write on the real values reached the kept bytes, unless
         # the kernel had to reallocate them (an out= of another size).
-        if isinstance(x, fake_type) and any(x is m for m in call.mutated):
+        if isinstance(x, fake_type) and id(x) in mutated:
             kept = _known(x.__dict__["_shadow"])
             if kept is not None and real[i].untyped_storage().data_ptr() != kept.data_ptr():
                 forget(x)

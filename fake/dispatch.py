@@ -149,10 +149,12 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
                 out_flat[i] = fake
                 fresh.append((i, fake))
     if info.writes:
+        seen = {id(m) for m in mutated}  # a foreach op writes hundreds: no quadratic scan
         for fake in info.written(args, kwargs):
-            if isinstance(fake, FakeTensor) and not any(fake is m for m in mutated):
+            if isinstance(fake, FakeTensor) and id(fake) not in seen:
                 _sync_geometry(fake)
                 mutated.append(fake)
+                seen.add(id(fake))
     out = out_flat[0] if how is None else unflatten_output(out_flat, how)
     return Call(info, flat, spec, out, device, mutated, fresh, out_flat)
 

@@ -13,15 +13,15 @@ class FakeDataAccessError(FakeTensorError):
     Fake tensors carry shape, dtype, strides, a device and the size of their
     storage, but no data, so anything that needs the numbers (``item()``,
     ``tolist()``, ``numpy()``, ``bool()``, ``data_ptr()``, formatting values,
-    the bytes of their storage) cannot be answered.  Small tensors whose
-    values are known (made from Python numbers, and what is computed from
-    them alone, see :mod:`fake.constants`) are the exception.
+    the bytes of their storage) cannot be answered.  Tensors whose values
+    are known (made from Python numbers, shapes and ``arange``, and what is
+    computed from them alone, see :mod:`fake.constants`) are the exception.
 
     Example::
 
         >>> from fake import fake_mode
         >>> with fake_mode():
-        ...     t = torch.ones(3)
+        ...     t = torch.randn(3)
         >>> t.tolist()
         Traceback (most recent call last):
         fake.errors.FakeDataAccessError: tolist() needs the data of a fake tensor ...

@@ -82,12 +82,19 @@ def _layout(out, inputs):
             if storage in storages or storage in inputs:
                 return _UNCACHEABLE  # outputs sharing memory, or an input's
             storages.add(storage)
-            described.append(("t", tuple(y.shape), y.stride(), y.storage_offset(), y.dtype, y.untyped_storage().nbytes()))
+            nbytes = y.untyped_storage().nbytes()
+            plain = y.storage_offset() == 0 and nbytes == _extent(y.shape, y.stride()) * y.element_size()
+            described.append(("t", tuple(y.shape), y.stride(), y.storage_offset(), y.dtype, nbytes, plain))
         elif type(y) in _HASHABLE:
             described.append(("v", y))
         else:
             return _UNCACHEABLE
     return how, tuple(described)
+
+
+def _extent(size, stride) -> int:
+    """Elements of the smallest storage holding ``size`` at ``stride`` (empty_strided's)."""
+    return 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
 
 
 def _rebuild(layout):
@@ -97,7 +104,10 @@ def _rebuild(layout):
         if d[0] == "v":
             flat.append(d[1])
             continue
-        _, size, stride, offset, dtype, nbytes = d
+        _, size, stride, offset, dtype, nbytes, plain = d
+        if plain:  # the storage empty_strided would make: one call instead of three
+            flat.append(torch.empty_strided(size, stride, dtype=dtype, device="meta"))
+            continue
         storage = torch.UntypedStorage(nbytes, device="meta")
         flat.append(torch.empty(0, dtype=dtype, device="meta").set_(storage, offset, size, stride))
     return unflatten_output(flat, how)

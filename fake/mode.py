@@ -269,8 +269,9 @@ def fake_mode(*, fake_cuda: bool = False):
     training step planned here changes nothing that materialization will
     produce.  Other dispatch modes (``MemTracker``, ``FlopCounterMode``)
     see every operator, whether they are entered inside or outside the
-    block.  Small tensors made from Python numbers keep their values (see
-    :mod:`fake.constants`), so optimizers can step.
+    block.  Tensors made from Python numbers, shapes and ``arange`` keep
+    their values (see :mod:`fake.constants`), so optimizers can step and
+    checks on position ids get eager's answer.
 
     Example::
 

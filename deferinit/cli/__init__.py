@@ -5,7 +5,8 @@ Four commands::
     deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config FILE|DIR|MODEL_ID]
                      [--device D] [--dtype T] [--shard N]
     deferinit graph   TARGET [ARG ...] [...] -o FILE [--module M] [--depth N] [--expand]
-    deferinit plan    TARGET [ARG ...] [...] --batch BxS | --input SHAPE [--shard N]
+    deferinit plan    TARGET [ARG ...] [...] --batch BxS | --input SHAPE [--shard N] [--mixed-precision bf16]
+                     [--checkpointing] [--accumulate N] [--optimizer NAME] [--memory-timeline FILE.svg]
     deferinit demo    [--size 70b|tiny] [--seed S] [-o FILE]
 
 ``TARGET`` is ``module:callable`` (``torch.nn:Transformer``,
@@ -31,7 +32,7 @@ import sys
 
 from . import commands
 from .errors import CommandError, ConstructorError, TargetError, UsageError, one_line
-from .plan import OPTIMIZERS, plan
+from .plan import plan
 
 PROG = "deferinit"
 
@@ -103,9 +104,26 @@ def make_parser() -> argparse.ArgumentParser:
                    help="a positional input, e.g. 2x3x224x224 (random, the model's dtype) or 2x16:int64; repeatable")
     p.add_argument("--shard", type=int, metavar="N", help="shard with FSDP2 over N ranks (fake process group) and show one rank")
     p.add_argument("--rank", type=int, metavar="R", help="the rank shown with --shard (default 0)")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw", help="default adamw (lr 1e-4)")
+    p.add_argument("--optimizer", default="adamw", metavar="NAME",
+                   help="a torch.optim optimizer by name (adamw, adam, sgd, adafactor...; any case) or module:Class; "
+                        "default adamw (lr 1e-4; sgd: momentum 0.9)")
+    p.add_argument("--optimizer-arg", action="append", metavar="NAME=VALUE",
+                   help="an argument of the optimizer, a Python literal, e.g. lr=3e-4 or betas=(0.9,0.95); repeatable")
     p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
                    help="the optimizer's foreach implementation (default: what PyTorch picks on the device)")
+    p.add_argument("--mixed-precision", metavar="bf16|fp16",
+                   help="compute in bf16 (or fp16) with float32 master weights: torch.autocast, or with --shard "
+                        "FSDP2's MixedPrecisionPolicy (fp32 gradient reduction); build the model in float32")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of each block (transformers' activation_checkpointing_enable(), "
+                        "else torch's composable checkpoint on each block of every nn.ModuleList)")
+    p.add_argument("--accumulate", type=int, metavar="N",
+                   help="gradient accumulation: N forward/backward passes of the batch before the optimizer step")
+    p.add_argument("--memory-timeline", metavar="FILE",
+                   help="write the memory over the step as a picture: FILE.svg, or FILE.html (self-contained)")
+    p.add_argument("--memory-snapshot", metavar="FILE",
+                   help="write a memory snapshot (FILE.pickle) that PyTorch's memory visualizer opens "
+                        "(https://pytorch.org/memory_viz)")
     p.set_defaults(run=plan)
 
     p = sub.add_parser("demo", parents=[common], help="defer a 70B Llama-shaped model, inspect, draw, check a block",

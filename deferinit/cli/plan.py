@@ -6,17 +6,24 @@ model was built for (``cuda`` by default, fake on a machine without one)
 under PyTorch's ``MemTracker`` and ``FlopCounterMode`` (see
 :mod:`deferinit.cli.step`).  With ``--shard N`` the model is first sharded
 with FSDP2 over ``N`` ranks of PyTorch's fake process group and the
-figures are one rank's, from ``FSDPMemTracker``.  Nothing is allocated.
+figures are one rank's, from ``FSDPMemTracker``.  The training recipe
+(optimizer, mixed precision, activation checkpointing, gradient
+accumulation) is :mod:`deferinit.cli.recipe`'s; ``--memory-timeline`` and
+``--memory-snapshot`` write the memory over time (:mod:`deferinit.cli.memplot`,
+:mod:`deferinit.cli.timeline`).  Nothing is allocated.
 
 Example::
 
     $ deferinit plan deferinit.demo:Llama --dtype bfloat16 --batch 1x4096 --shard 8
+    $ deferinit plan deferinit.demo:Llama --mixed-precision bf16 --checkpointing --batch 2x4096 --shard 8
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect as pyinspect
+import os
+import pickle
 import re
 import time
 
@@ -26,15 +33,10 @@ from fake import fake_mode
 
 from .errors import UsageError
 from .fakedist import fake_ranks
-from .planreport import format_plan
-from .step import measure_step
-from .targets import build
-
-OPTIMIZERS = {
-    "adamw": lambda params, foreach: torch.optim.AdamW(params, lr=1e-4, foreach=foreach),
-    "adam": lambda params, foreach: torch.optim.Adam(params, lr=1e-4, foreach=foreach),
-    "sgd": lambda params, foreach: torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=foreach),
-}
+from .planreport import format_plan, row_labels
+from .recipe import Recipe, blocks, check_master_weights, check_optimizer_args, optimizer_class, plan_step, shard  # noqa: F401  (shard: FSDP2 as plan applies it)
+from .targets import build, parse_kwargs
+from .timeline import Timeline
 
 
 def parse_shape(text: str, what: str) -> tuple[int, ...]:
@@ -111,23 +113,71 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
-def shard(model: torch.nn.Module, mesh) -> None:
-    """FSDP2 as usually applied: each block of every ``nn.ModuleList`` (the
-    decoder layers), then the whole model."""
-    from torch.distributed.fsdp import fully_shard
-
-    for module in list(model.modules()):
-        if isinstance(module, torch.nn.ModuleList):
-            for block in module:
-                if any(True for _ in block.parameters()):
-                    fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def _device(model, fallback) -> torch.device:
     for t in model.parameters():
         return t.device
     return torch.device(fallback)
+
+
+_LOW = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def recipe_of(opts) -> Recipe:
+    """The training recipe the options ask for (see ``deferinit plan --help``).
+
+    Example::
+
+        >>> from deferinit.cli import make_parser
+        >>> opts = make_parser().parse_args(["plan", "m.py:f", "--optimizer", "sgd", "--optimizer-arg", "lr=0.1",
+        ...                                  "--mixed-precision", "bf16", "--accumulate", "4"])
+        >>> recipe_of(opts)
+        Recipe(optimizer='sgd', optimizer_args={'lr': 0.1}, foreach=None, mixed_precision=torch.bfloat16, checkpointing=False, accumulate=4)
+    """
+    try:
+        optimizer_class(opts.optimizer)
+    except ValueError as e:
+        raise UsageError(f"--optimizer {opts.optimizer}: {e}") from None
+    try:
+        args = parse_kwargs(opts.optimizer_arg)
+    except UsageError as e:
+        raise UsageError(str(e).replace("-k", "--optimizer-arg")) from None
+    try:
+        check_optimizer_args(Recipe(optimizer=opts.optimizer, optimizer_args=args))
+    except ValueError as e:
+        raise UsageError(f"--optimizer-arg: {e}") from None
+    low = None
+    if opts.mixed_precision is not None:
+        low = _LOW.get(opts.mixed_precision.lower().removeprefix("torch."))
+        if low is None:
+            raise UsageError(f"--mixed-precision {opts.mixed_precision!r}: expected bf16 or fp16")
+    if opts.accumulate is not None and opts.accumulate < 1:
+        raise UsageError(f"--accumulate must be at least 1, got {opts.accumulate}")
+    return Recipe(optimizer=opts.optimizer, optimizer_args=args, foreach=opts.foreach, mixed_precision=low,
+                  checkpointing=opts.checkpointing, accumulate=opts.accumulate or 1)
+
+
+def _check_outputs(opts) -> None:
+    for path, exts, what in ((opts.memory_timeline, (".svg", ".html", ".htm"), "--memory-timeline"),
+                             (opts.memory_snapshot, (".pickle", ".pkl"), "--memory-snapshot")):
+        if path is None:
+            continue
+        if not path.lower().endswith(exts):
+            raise UsageError(f"{what} {path!r}: the file name must end in {' or '.join(exts)}")
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"{what} {path!r}: no such directory {folder}")
+
+
+def _check_recipe(model, recipe: Recipe) -> None:
+    """What the recipe cannot do to this model, as usage errors (before planning)."""
+    if recipe.mixed_precision is not None:
+        try:
+            check_master_weights(model, recipe.mixed_precision)
+        except ValueError as e:
+            raise UsageError(f"--mixed-precision: {e} (drop --dtype)") from None
+    if recipe.checkpointing and not getattr(model, "supports_gradient_checkpointing", False) and not blocks(model):
+        raise UsageError(f"--checkpointing checkpoints each block of an nn.ModuleList, and "
+                         f"{type(model).__name__} has none")
 
 
 def plan(opts, out) -> int:
@@ -139,31 +189,52 @@ def plan(opts, out) -> int:
         raise UsageError(f"--shard must be at least 1, got {opts.shard}")
     if opts.rank is not None and (opts.shard is None or not 0 <= opts.rank < opts.shard):
         raise UsageError("--rank R needs --shard N with 0 <= R < N")
+    recipe = recipe_of(opts)
+    _check_outputs(opts)
     if opts.device is None:
         opts.device = "cuda"
     model, build_seconds, _, call, dtype = build(opts)
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{call} returned a {type(model).__name__}, not an nn.Module; plan needs a module")
     device = _device(model, opts.device)
-    foreach = opts.foreach
-    if foreach is None:  # what PyTorch picks for real tensors on that device
-        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-        foreach = device.type in _get_foreach_kernels_supported_devices()
+    _check_recipe(model, recipe)
     rank = opts.rank or 0
+    timeline = Timeline() if (opts.memory_timeline or opts.memory_snapshot) else None
     t0 = time.perf_counter()
     ranks = fake_ranks(opts.shard, rank, device.type) if opts.shard else contextlib.nullcontext()
     with ranks as mesh, fake_mode(fake_cuda=True):
         model.train()
-        if mesh is not None:
-            shard(model, mesh)
         args, kwargs, ids = make_inputs(model, batch, extra, device)
-        optimizer = OPTIMIZERS[opts.optimizer](model.parameters(), foreach)
-        measured = measure_step(model, args, kwargs, optimizer, token_ids=ids, sharded=mesh is not None)
+        measured = plan_step(model, args, kwargs, recipe, mesh=mesh, token_ids=ids, timeline=timeline)
     seconds = time.perf_counter() - t0
     setup = {
-        "device": device, "batch": batch, "inputs": extra, "optimizer": type(optimizer).__name__,
-        "foreach": foreach, "shard": opts.shard, "rank": rank, "dtype": dtype,
+        "device": device, "batch": batch, "inputs": extra, "optimizer": measured.recipe[0],
+        "recipe": measured.recipe[1:], "shard": opts.shard, "rank": rank, "dtype": dtype, "accumulate": recipe.accumulate,
     }
-    print(format_plan(model, measured, call=call, setup=setup, seconds=seconds, build_seconds=build_seconds), file=out)
+    report = format_plan(model, measured, call=call, setup=setup, seconds=seconds, build_seconds=build_seconds)
+    print(report, file=out)
+    _write_pictures(opts, model, measured, call, device, report, out)
     return 0
+
+
+def _write_pictures(opts, model, measured, call, device, report, out) -> None:
+    if measured.timeline is None:
+        return
+    if opts.memory_snapshot:
+        with open(opts.memory_snapshot, "wb") as f:
+            pickle.dump(measured.timeline.snapshot(), f)
+        print(f"wrote {opts.memory_snapshot}: a memory snapshot for PyTorch's memory visualizer "
+              "(https://pytorch.org/memory_viz, or python -m torch.cuda._memory_viz trace_plot FILE -o page.html)", file=out)
+    if opts.memory_timeline:
+        from .memplot import timeline_html, timeline_svg
+
+        target = device if device in measured.timeline.devices() else measured.timeline.devices()[0]
+        what = dict(title=f"{call}: one training step", row_of=row_labels(model, measured),
+                    subtitle=f"{target}: {report.splitlines()[0].partition(': ')[2]}")
+        if opts.memory_timeline.lower().endswith(".svg"):
+            text = timeline_svg(measured.timeline, target, **what)
+        else:
+            text = timeline_html(measured.timeline, target, report=report, **what)
+        with open(opts.memory_timeline, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {opts.memory_timeline}: {target}'s memory over the step", file=out)

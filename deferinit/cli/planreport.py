@@ -70,10 +70,24 @@ def fmt_flops(n: int) -> str:
     return f"{n} FLOP" if n else "-"
 
 
+def _low_precision_training(model, setup) -> str:
+    """A note when the parameters (hence the optimizer state) are in a lower dtype than
+    float32 and no mixed precision keeps float32 masters: not every recipe does that."""
+    if any("mixed precision" in item for item in setup.get("recipe", ())):
+        return ""
+    low = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()
+                  if p.is_floating_point() and p.element_size() < 4})
+    if not low:
+        return ""
+    return (f"parameters, gradients and optimizer state in {'/'.join(low)}: no float32 master weights "
+            f"(--mixed-precision bf16 with a float32 build plans those)")
+
+
 def format_plan(model, measured, *, call: str, setup: dict, seconds: float, build_seconds: float) -> str:
     """The report of one planned step (see ``deferinit plan --help``)."""
     device = setup["device"]
-    what = f"{setup['optimizer']}{' foreach' if setup['foreach'] else ''}"
+    optimizer, _, args = setup["optimizer"].partition(" (")
+    passes = "forward, backward" if setup.get("accumulate", 1) == 1 else f"{setup['accumulate']} x (forward, backward)"
     inputs = []
     if setup["batch"]:
         inputs.append(f"token ids {'x'.join(map(str, setup['batch']))}")
@@ -82,11 +96,16 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
     if setup["shard"]:
         where += f", rank {setup['rank']} of {setup['shard']} (FSDP2, fake process group)"
     lines = [
-        f"{call}: one training step (forward, backward, {what} step) on {where}",
+        f"{call}: one training step ({passes}, {optimizer} step) on {where}",
         f"  inputs {', '.join(inputs)}; built deferred in {setup['dtype']} in {fmt_seconds(build_seconds)}, step planned in "
         f"{fmt_seconds(seconds)}; measured by PyTorch's {'FSDPMemTracker' if setup['shard'] else 'MemTracker'} and FlopCounterMode",
-        "",
     ]
+    recipe = ([f"optimizer arguments {args[:-1]}"] if args else []) + list(setup.get("recipe", ()))
+    lines += [f"  {item}" for item in recipe]
+    low = _low_precision_training(model, setup)
+    if low:
+        lines.append(f"  {low}")
+    lines.append("")
     devices = sorted(set(measured.peak) | set(measured.after), key=lambda d: (d != device, str(d)))
     snaps = [(measured.peak.get(d, {}), measured.after.get(d, {})) for d in devices]
     names = [n for n in LABELS if any(p.get(n) or a.get(n) for p, a in snaps)]
@@ -125,3 +144,26 @@ def format_plan(model, measured, *, call: str, setup: dict, seconds: float, buil
         f"forward {fmt_flops(forward)}, backward {fmt_flops(measured.flops - forward)}"
     )
     return "\n".join(lines)
+
+
+def row_labels(model, measured):
+    """``row_of(module name)``: the report's row (:func:`module_rows`) of a module the
+    step's tracker named, for the picture's module band."""
+    names = measured.tracker._mod_tracker._known_modules
+    prefixes = {}
+    for label, modules in module_rows(model):
+        for m in modules:
+            if m in names:
+                prefixes[names[m]] = label
+    root = names.get(model, type(model).__name__)
+
+    def row_of(name: str) -> str:
+        while name:
+            if name in prefixes:
+                return prefixes[name]
+            if name == root:
+                return "(whole model)"
+            name = name.rpartition(".")[0]
+        return "(outside any module)"
+
+    return row_of

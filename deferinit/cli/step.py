@@ -1,7 +1,9 @@
 """One training step measured by PyTorch's own trackers.
 
-The step is what a training loop does once: forward, loss, backward, the
-optimizer's step, ``zero_grad``.  Memory is PyTorch's
+The step is what a training loop does once: forward, loss, backward (once
+per micro-batch with gradient accumulation, the forward pass under
+``torch.autocast`` for mixed precision), the optimizer's step,
+``zero_grad``.  Memory is PyTorch's
 ``torch.distributed._tools.mem_tracker.MemTracker`` (``FSDPMemTracker``
 for a model sharded with FSDP2), FLOPs are
 ``torch.utils.flop_counter.FlopCounterMode``: no accounting of our own.
@@ -20,13 +22,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+
+from fake.device import backend_device
 
 #: What each of PyTorch's memory categories counts, in the report's words.
 LABELS = {
@@ -57,7 +62,7 @@ def _local(t):
 
 
 class _Adjusted:
-    """Two adjustments to PyTorch's memory trackers, neither changing a figure.
+    """Adjustments to PyTorch's memory trackers, none changing a figure.
 
     * A DTensor is accounted on its local tensor's device: DTensor reports
       the C++ device of its local tensor, which for a fake CUDA tensor on a
@@ -66,7 +71,16 @@ class _Adjusted:
       modules running (``_mod_tracker.parents``) instead of every module
       seen so far: the same updates, but the cost of a step no longer grows
       with the square of the number of layers (80 layers: minutes -> seconds).
+    * Every change to the running totals can be recorded (``timeline``, a
+      :class:`~deferinit.cli.timeline.Timeline`): the step's memory over time.
     """
+
+    timeline = None
+
+    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        if self.timeline is not None:
+            self.timeline.record(self, u_type, winfo, old_mem_consumed, old_reftype)
 
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
         return super()._update_and_maybe_create_winfos(_local(t), reftype, update_existing)
@@ -103,6 +117,34 @@ def fsdp_tracker(model, optimizer):
     return FSDPTracker(model, optimizer)
 
 
+class _Flops(FlopCounterMode):
+    """PyTorch's ``FlopCounterMode``, attributing operators to the modules that the
+    memory tracker's ``ModTracker`` says are running.
+
+    ``FlopCounterMode``'s own ``ModuleTracker`` registers gradient hooks on the
+    tensors that activation checkpointing recomputes in the backward pass;
+    those hooks form reference cycles that keep the recomputed activations
+    alive until Python's cyclic collector runs, so the memory measured beside
+    it would depend on when the collector happens to run.  The memory
+    tracker's ``ModTracker`` names modules the same way and makes no such
+    cycle; sharing it also halves the module hooks of the step.
+    """
+
+    def __init__(self, mod_tracker) -> None:
+        super().__init__(display=False)
+        self.mod_tracker = mod_tracker
+
+    def __enter__(self):
+        self.flop_counts.clear()
+        self.mode = _FlopCounterMode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args):
+        mode, self.mode = self.mode, None
+        return mode.__exit__(*args)
+
+
 def loss_of(output, token_ids=None) -> torch.Tensor:
     """The loss to back-propagate: the model's own (``output.loss``), else the
     cross entropy of logits against ``token_ids``, else the mean of the output."""
@@ -130,38 +172,98 @@ class Measured:
     flops: int
     tracker: MemTracker
     counter: FlopCounterMode
-    forward_flops: dict  # FlopCounterMode's counts after the forward pass: {module name: {op: flops}}
+    forward_flops: dict  # FlopCounterMode's counts of the forward passes: {module name: {op: flops}}
     after: dict  # like ``peak``, once the step is done: what stays between steps
+    modules: list = dataclasses.field(default_factory=list)  # per micro-batch: the tracker's {module: stats}
+    timeline: object = None  # the Timeline, when one was asked for
+    optimizer: object = None  # set by deferinit.cli.recipe.plan_step
+    recipe: list = dataclasses.field(default_factory=list)  # the recipe as text (plan_step)
 
 
-def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: bool = False) -> Measured:
+def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: bool = False, accumulate: int = 1,
+                 autocast: torch.dtype | None = None, timeline=None) -> Measured:
     """Run one training step of ``model`` under PyTorch's trackers.
 
     ``model(*args, **kwargs)`` is the forward pass; the loss is
     :func:`loss_of`; then ``backward()``, ``optimizer.step()`` and
     ``optimizer.zero_grad()``.  ``sharded``: the model is sharded with FSDP2
-    (``FSDPMemTracker``).
+    (``FSDPMemTracker``).  ``accumulate``: gradient accumulation, the forward
+    and backward passes run that many times (micro-batches of ``args``, the
+    loss divided by ``accumulate``) before the optimizer's step; the trackers
+    need ``reset_mod_stats()`` between micro-batches, so the per-module
+    figures of each are kept in ``Measured.modules``.  ``autocast``: the
+    forward pass and the loss run under ``torch.autocast`` with this dtype
+    (mixed precision; the parameters stay as they are, the fp32 masters).
+    ``timeline``: a :class:`~deferinit.cli.timeline.Timeline` that records
+    the memory over time.
     """
+    if accumulate < 1:
+        raise ValueError(f"accumulate must be at least 1, got {accumulate}")
     if sharded:
         tracker = fsdp_tracker(model, optimizer)
+        tracker.timeline = timeline
         tracker.track_inputs(tuple(args) + tuple(kwargs.values()))
     else:
         tracker = Tracker()
+        tracker.timeline = timeline
         tracker.track_external(model, optimizer)
-    counter = FlopCounterMode(display=False)
+    counter = _Flops(tracker._mod_tracker)
+    forward: dict = {}
+    modules = []
     # The memory tracker inside the counter: the counter decomposes some
     # operators, and only their results are allocations of the step.
     with counter, tracker:
-        loss = loss_of(model(*args, **kwargs), token_ids)
-        # Per module, the forward pass's counts: in the backward pass PyTorch's
-        # module tracker may hold several modules active at once (a tensor
-        # several blocks read), which counts some operators more than once.
-        forward = counter.get_flop_counts()
-        loss.backward()
+        for micro in range(accumulate):
+            if micro:
+                modules.append(dict(tracker.memory_tracking.items()))
+                tracker.reset_mod_stats()  # the trackers refuse a second forward pass of the root otherwise
+            _stage(timeline, "forward", micro, accumulate)
+            before = counter.get_flop_counts()
+            with _autocast(model, autocast):
+                loss = loss_of(model(*args, **kwargs), token_ids)
+            # Per module, the forward passes' counts: in the backward pass PyTorch's
+            # module tracker may hold several modules active at once (a tensor
+            # several blocks read), which counts some operators more than once.
+            _add_counts(forward, counter.get_flop_counts(), before)
+            if accumulate > 1:
+                loss = loss / accumulate
+            _stage(timeline, "backward", micro, accumulate)
+            loss.backward()
+            del loss
+        modules.append(dict(tracker.memory_tracking.items()))
+        _stage(timeline, "optimizer step", 0, 1)
         optimizer.step()
+        _stage(timeline, "zero_grad", 0, 1)
         optimizer.zero_grad()
         after = _named(tracker.get_tracker_snapshot())
-    return Measured(_named(tracker.get_tracker_snapshot("peak")), counter.get_total_flops(), tracker, counter, forward, after)
+    tracker.timeline = None  # the step is over: later frees (the caller's objects dying) are not part of it
+    peak = _named(tracker.get_tracker_snapshot("peak"))
+    return Measured(peak, counter.get_total_flops(), tracker, counter, forward, after, modules, timeline)
+
+
+def _stage(timeline, name: str, micro: int, count: int) -> None:
+    if timeline is not None:
+        timeline.stage = name if count == 1 else f"{name} {micro + 1}/{count}"
+
+
+def _add_counts(total: dict, now: dict, before: dict) -> None:
+    for name, ops in now.items():
+        had = before.get(name, {})
+        mine = total.setdefault(name, {})
+        for op, n in ops.items():
+            if n != had.get(op, 0):
+                mine[op] = mine.get(op, 0) + n - had.get(op, 0)
+
+
+def _autocast(model, dtype):
+    """``torch.autocast`` for the device the C++ side of the model's tensors sits
+    on (CPU's for fake CUDA tensors on a build without CUDA: see
+    ``fake.device.backend_device``)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    param = next(model.parameters(), None)
+    device = _local(param).device if param is not None else torch.device("cpu")
+    return torch.autocast(backend_device(device).type, dtype=dtype)
 
 
 def _named(snapshot) -> dict:
@@ -173,11 +275,8 @@ def module_peak(measured: Measured, module, device) -> tuple[str, dict] | None:
     while ``module`` ran (phase ``"forward"`` or ``"backward"``), or None if it never ran.
 
     It is the whole device's memory at that moment, not what the module owns."""
-    stats = measured.tracker.memory_tracking.get(module)
-    if stats is None:
-        return None
     best = None
-    for state, snaps in stats.snapshots.items():
+    for state, snaps in _snapshots(measured, module):
         # MemTracker's _ModState and FSDPMemTracker's _FSDPModState name them alike.
         phase = {"PEAK_FW": "forward", "PEAK_BW": "backward"}.get(state.name)
         if phase is None:
@@ -187,6 +286,15 @@ def module_peak(measured: Measured, module, device) -> tuple[str, dict] | None:
             if cats is not None and (best is None or cats["Total"] > best[1]["Total"]):
                 best = (phase, {getattr(k, "name", k): v for k, v in cats.items()})
     return best
+
+
+def _snapshots(measured, module):
+    """``(state, snapshots)`` of ``module`` over the micro-batches."""
+    every = measured.modules or [measured.tracker.memory_tracking]
+    for tracking in every:
+        stats = tracking.get(module)
+        if stats is not None:
+            yield from stats.snapshots.items()
 
 
 def forward_flops(measured: Measured, module=None) -> int:

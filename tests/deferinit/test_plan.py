@@ -151,6 +151,27 @@ def test_the_tracker_gives_memtrackers_figures():
     assert results[0] == results[1]
 
 
+def test_the_flop_counter_gives_flopcountermodes_figures():
+    """The step's FlopCounterMode shares the memory tracker's ModTracker: the same
+    total and the same per-module forward counts as PyTorch's own."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = llama()
+    args, kwargs, ids = inputs("llama")
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = model(*args, **kwargs)
+        forward = counter.get_flop_counts()
+        out.loss.backward()
+    torch.manual_seed(0)
+    model = llama()
+    args, kwargs, ids = inputs("llama")
+    ours = measure_step(model, args, kwargs, torch.optim.SGD(model.parameters(), lr=0.1), token_ids=ids)
+    assert ours.flops == counter.get_total_flops() > 0
+    assert {k: v for k, v in ours.forward_flops.items() if v} == {k: v for k, v in forward.items() if v}
+
+
 def _sharded(planned_, rank):
     torch.manual_seed(0)
     with fake_ranks(4, rank, "cpu") as mesh:

@@ -101,7 +101,99 @@ def test_plan_takes_other_inputs_and_optimizers(targets):
     assert cells(r.stdout, "features")[2] in ("forward", "backward")
 
 
+def _real_recipe_step():
+    """The step of the recipe below in plain PyTorch on an eager model, under MemTracker."""
+    from torch.distributed._composable import checkpoint
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = Llama(LLAMA_TINY)
+    for block in model.layers:
+        checkpoint(block)
+    ids = torch.randint(0, LLAMA_TINY.vocab_size, (2, 16))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.95), foreach=False)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        for micro in range(2):
+            if micro:
+                tracker.reset_mod_stats()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, -2).float(), ids.flatten())
+            loss = loss / 2
+            loss.backward()
+            del loss
+        opt.step()
+        opt.zero_grad()
+        after = tracker.get_tracker_snapshot()[torch.device("cpu")]
+    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")], after
+
+
+def test_plan_with_a_training_recipe_prints_the_real_steps_figures(targets):
+    r = plan("targets.py:tiny", "--batch", "2x16", "--device", "cpu", "--mixed-precision", "bf16", "--checkpointing",
+             "--accumulate", "2", "--optimizer", "adam", "--optimizer-arg", "lr=1e-3", "--optimizer-arg",
+             "betas=(0.9,0.95)", "--no-foreach", cwd=targets)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "one training step (2 x (forward, backward), Adam step) on fake cpu" in out
+    assert "optimizer arguments lr=0.001, betas=(0.9, 0.95)" in out
+    assert "activation checkpointing: torch.distributed._composable.checkpoint on 4 blocks" in out
+    assert "mixed precision: bfloat16 compute, float32 master weights (torch.autocast)" in out
+    assert "gradient accumulation: 2 micro-batches per step" in out
+    peak, after = _real_recipe_step()
+    keys = {"_MemRefType.PARAM": "parameters", "_MemRefType.GRAD": "gradients", "_MemRefType.OPT": "optimizer state",
+            "_MemRefType.ACT": "activations", "_MemRefType.TEMP": "temporaries", "Total": "total"}
+    for key, label in keys.items():
+        want = [fmt_bytes(snap[k]) if snap[k] else "-" for snap in (peak, after) for k in snap if str(k) == key]
+        if want != ["-", "-"]:  # a category empty throughout has no row
+            assert cells(out, label)[1:3] == want, label
+
+
+def test_plan_says_when_there_are_no_fp32_master_weights(targets):
+    r = plan("targets.py:tiny", "--batch", "2x16", "--dtype", "bfloat16", cwd=targets)
+    assert r.returncode == 0, r.stderr
+    assert ("parameters, gradients and optimizer state in bfloat16: no float32 master weights "
+            "(--mixed-precision bf16 with a float32 build plans those)") in r.stdout
+
+
+def test_plan_of_a_transformers_training_config(tmp_path):
+    """use_cache false, as training configs have it: transformers' masking code checks
+    position ids made with torch.arange, answered as eagerly."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=500, max_position_embeddings=256, use_cache=False)
+    config.save_pretrained(tmp_path / "cfg")
+    r = plan("transformers:LlamaForCausalLM", "--config", "cfg", "--batch", "2x128", "--device", "cpu",
+             "--no-foreach", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig.from_pretrained(tmp_path / "cfg"))
+    model.train()
+    ids = torch.randint(0, 500, (2, 128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert cells(r.stdout, "total")[1] == fmt_bytes(tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"])
+
+
 @pytest.mark.parametrize("args, message", [
+    (["targets.py:tiny", "--batch", "2x3", "--dtype", "bfloat16", "--mixed-precision", "bf16"],
+     "--mixed-precision: mixed precision (bfloat16 compute) keeps float32 master weights, and the model has "
+     "bfloat16 parameters: build it in float32 (drop --dtype)"),
+    (["targets.py:tiny", "--batch", "2x3", "--mixed-precision", "int8"], "--mixed-precision 'int8': expected bf16 or fp16"),
+    (["targets.py:tiny", "--batch", "2x3", "--optimizer", "adamz"], "--optimizer adamz: no optimizer 'adamz' in torch.optim"),
+    (["targets.py:tiny", "--batch", "2x3", "--optimizer-arg", "lr"], "--optimizer-arg expects name=value"),
+    (["targets.py:tiny", "--batch", "2x3", "--optimizer", "sgd", "--optimizer-arg", "betas=(0.9,0.95)"],
+     "--optimizer-arg: SGD takes no argument 'betas' (it takes lr, momentum"),
+    (["targets.py:tiny", "--batch", "2x3", "--accumulate", "0"], "--accumulate must be at least 1"),
+    (["targets.py:CNN", "--input", "2x3x8x8", "--checkpointing"],
+     "--checkpointing checkpoints each block of an nn.ModuleList, and CNN has none"),
     (["torch.nn:Linear", "4", "4"], "plan needs inputs"),
     (["torch.nn:Linear", "4", "4", "--batch", "2x3"], "no nn.Embedding"),
     (["targets.py:tiny", "--batch", "2x"], "expected sizes joined by x"),

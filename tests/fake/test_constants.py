@@ -1,6 +1,7 @@
-"""Known values (issue 13): small fakes made from Python numbers, and what is
-computed from them alone, keep the value eager PyTorch gives; anything that
-depends on unknown data raises.
+"""Known values (issues 13, 20): fakes made from Python numbers, shapes and
+``arange``, and what is computed from them alone, keep the value eager
+PyTorch gives, up to a size limit; anything that depends on unknown data
+raises.
 
 The reference is always the same program run eagerly on real tensors.
 """
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from fake import FakeDataAccessError, fake_mode, is_fake
+from fake.constants import KNOWN_LIMIT_BYTES
 
 
 def _scalar_programs():
@@ -50,7 +52,21 @@ def _scalar_programs():
         torch._foreach_add_(steps, torch.tensor(1.0), alpha=1.0)
         return steps[0] * 10 + steps[1]
 
-    return [counter, bias_correction, chain, integers, factories, comparisons, through_a_view, foreach]
+    def positions():
+        # transformers' find_packed_sequence_indices on position ids from arange
+        ids = torch.arange(0, 4096).unsqueeze(0).expand(8, -1)
+        diff = torch.diff(ids, prepend=ids[:, :1] - 1, dim=-1)
+        return ((diff != 1).cumsum(-1)[:, -1] == 0).all()
+
+    def shapes():
+        x = torch.randn(3, 5)  # unknown values, known shape
+        return torch.tensor(x.shape).prod() + torch.full(x.shape, 2.0).sum()
+
+    def reductions():
+        return torch.ones(300, 7).cumsum(0)[-1].mean() + torch.arange(10.0).std()
+
+    return [counter, bias_correction, chain, integers, factories, comparisons, through_a_view, foreach, positions,
+            shapes, reductions]
 
 
 @pytest.mark.parametrize("program", _scalar_programs(), ids=lambda p: p.__name__)
@@ -78,9 +94,12 @@ def test_views_share_the_value_and_writes_reach_every_alias():
     [
         lambda: torch.rand(()),                     # random
         lambda: torch.empty(()),                    # uninitialised, eagerly too
-        lambda: torch.ones(3).sum(),                # computed from more than one element
-        lambda: torch.ones(4, 4)[0, 0],             # a view of an unknown memory
-        lambda: torch.tensor(2.0) * torch.ones(2).mean(),
+        lambda: torch.randn(3).sum(),               # computed from random values
+        lambda: torch.empty(4, 4).fill_(1)[0, 0],   # a write into unknown memory leaves it unknown
+        lambda: torch.tensor(2.0) * torch.rand(2).mean(),
+        # more than the limit: too costly to know
+        lambda: torch.ones(KNOWN_LIMIT_BYTES // 4 + 1).sum(),
+        lambda: torch.arange(KNOWN_LIMIT_BYTES // 8 + 1)[-1],
     ],
 )
 def test_values_that_need_data_stay_unknown(unknown):
@@ -94,7 +113,7 @@ def test_a_write_of_unknown_data_forgets_the_value_of_every_alias():
     with fake_mode():
         s = torch.tensor(1.0)
         v = s.view(1)
-        s.add_(torch.ones(3).sum())
+        s.add_(torch.randn(3).sum())
     for t in (s, v):
         with pytest.raises(FakeDataAccessError):
             t.item()
