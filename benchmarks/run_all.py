@@ -3,6 +3,10 @@
 ``python benchmarks/run_all.py`` (or ``make bench``).  Each benchmark is a
 script with a ``main() -> str`` that prints a markdown table when run alone;
 the figures in the docs are exactly what they print.
+
+``python benchmarks/run_all.py defer_70b materialize_speed`` reruns only the
+named scripts and keeps the other sections as they were; every section says
+the day it was produced.
 """
 
 from __future__ import annotations
@@ -28,12 +32,31 @@ BENCHMARKS = [
 ]
 
 
-def main() -> None:
+def kept_sections(path: str) -> dict:
+    """The sections of the page at ``path`` by heading line (without their heading)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    found = {}
+    for block in ("\n" + text).split("\n## ")[1:]:
+        heading, _, body = block.partition("\n")
+        found["## " + heading] = body.strip("\n")
+    return found
+
+
+def main(only=()) -> None:
+    unknown = set(only) - {name for _, name, _ in BENCHMARKS}
+    if unknown:
+        raise SystemExit(f"no benchmark named {', '.join(sorted(unknown))}; the names: {', '.join(n for _, n, _ in BENCHMARKS)}")
+    kept = kept_sections(DOCS)
+    today = datetime.date.today().isoformat()
     parts = [
         "# Benchmarks",
         "",
-        "Produced by `python benchmarks/run_all.py` on "
-        f"{datetime.date.today().isoformat()}; every table below is the output of the script named in its heading. "
+        "Produced by `python benchmarks/run_all.py` (all of them, or the scripts named on its command line); "
+        "every table below is the output of the script named in its heading, on the day its section gives. "
         "These machines are shared and noisy: figures vary by several percent from run to run.",
         "",
     ]
@@ -41,11 +64,16 @@ def main() -> None:
         path = os.path.join(HERE, f"{name}.py")
         if not os.path.exists(path):
             continue
+        heading = f"## {title} (`benchmarks/{name}.py`)"
+        if only and name not in only:
+            if heading in kept:
+                parts += [heading, "", kept[heading], ""]
+            continue
         print(f"running {name} ...", flush=True)
         module = importlib.import_module(name)
         output = module.main()
         print(output, flush=True)
-        parts += [f"## {title} (`benchmarks/{name}.py`)", "", what, "", output, ""]
+        parts += [heading, "", what, "", f"Run on {today}.", "", output, ""]
     # The GPU section comes from make gpu-check on a machine with CUDA, not
     # from this run: keep the one already written.
     from gpu_replay import kept_section
@@ -59,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
