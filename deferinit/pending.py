@@ -45,7 +45,9 @@ from .record import CHAINS, current_record
 from .rng import default_generator, fingerprint, get_state
 from .where import constructing
 
-_lock = threading.Lock()
+# Re-entrant: a record's finalizer (its hold's release) may run from the
+# cyclic collector while this thread holds the lock.
+_lock = threading.RLock()
 # Watched record -> its _Hold; only records that may still warn (see _retire).
 _watched: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _CPU = torch.device("cpu")

@@ -37,7 +37,9 @@ class SharedPatch:
     def __init__(self, module, replacements):
         self._module = module
         self._replacements = replacements
-        self._lock = threading.Lock()
+        # Re-entrant: a release may come from a finalizer the cyclic collector
+        # runs while this thread is inside acquire or release.
+        self._lock = threading.RLock()
         self._saved: dict = {}
         self.users = 0
 

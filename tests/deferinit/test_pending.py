@@ -406,3 +406,42 @@ def test_the_diverted_random_functions_pickle_as_pytorchs_do():
     for f in (torch.rand, torch.Tensor.uniform_, torch.Tensor.normal_):
         assert pickle.loads(pickle.dumps(f)) is f
     del m
+
+
+_COLLECTED_UNDER_THE_LOCK = """
+import gc
+from torch import nn
+from deferinit import deferred, pending
+
+for lock in (pending._lock, pending.PATCHES[0]._lock):
+    with deferred():
+        m = nn.Linear(2, 2)
+    users = pending.PATCHES[0].users
+    cycle = [m]
+    cycle.append(cycle)  # the record now dies only through the cyclic collector
+    del m
+    with lock:
+        del cycle
+        gc.collect()  # its finalizer runs here, in this thread, under the lock
+    assert pending.PATCHES[0].users == users - 1, (pending.PATCHES[0].users, users)
+print("ok")
+"""
+
+
+def test_a_record_collected_while_the_diversions_lock_is_held_does_not_deadlock():
+    """A record in a reference cycle dies when the cyclic collector runs, which
+    may be inside any allocation, also while this thread holds the lock of
+    the watch or of a patch: its finalizer must not wait for that lock (it
+    hung the checkpoint tests)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    try:
+        done = subprocess.run([sys.executable, "-c", _COLLECTED_UNDER_THE_LOCK], env=env, capture_output=True,
+                              text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: the finalizer waited for a lock its own thread held")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
