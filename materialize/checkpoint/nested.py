@@ -6,7 +6,8 @@ unpickled object is untrusted: dicts may refer to each other (a cycle, or
 one dict reached under many keys, which flattened naively makes
 exponentially many keys from a few hundred bytes), nest deeply, or name
 the same dotted key twice (``{"a.b": x, "a": {"b": y}}``: which one would
-load is a guess).  All of these are refused; the walk is iterative, and
+load is a guess), or name a tensor by a key that is neither a string nor
+an integer.  All of these are refused; the walk is iterative, and
 the characters of the keys it builds are bounded.
 """
 
@@ -51,6 +52,9 @@ def flatten_tensors(obj, error=CheckpointError, what: str = "the state dict") ->
             is_dict = isinstance(v, dict)
             if not is_dict and not isinstance(v, torch.Tensor):
                 continue
+            if not isinstance(k, (str, int)):
+                # str() of a pickled tuple or list may take exponential time.
+                raise error(f"{what} names a tensor or dict by a {type(k).__name__}, not a string or an integer")
             key = f"{prefix}.{k}" if prefix else str(k)
             chars += len(key)
             if chars > MAX_KEY_CHARS:

@@ -6,8 +6,12 @@ pickle names.  It also follows what the unpickler's stack would hold, as
 far as the nesting of tuples goes: a tuple nested a few hundred thousand
 deep, a megabyte of ``TUPLE1`` opcodes, crashes the process (SIGSEGV) as
 soon as it is hashed, by a dict key or a storage key, since CPython hashes
-tuples recursively with no depth check.  Such a pickle is refused before
-it is unpickled.  The walk also bounds the pickle's length.
+tuples recursively with no depth check.  A tuple holding another twice,
+sixty times over (``t = (t, t)`` through the pickle's memo, a few hundred
+bytes), takes 2**60 steps to hash: the unpickler never returns.  Such
+pickles are refused before they are unpickled: each tuple's depth and
+weight (its elements, counted through every nesting as hashing visits
+them) are followed, and bounded.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from torch import _weights_only_unpickler as weights_only
 
 # Deeper tuples are refused (real checkpoints nest a few levels).
 MAX_TUPLE_DEPTH = 1000
+# Heavier tuples are refused: no pickle of at most 64 MiB (torch_zip.MAX_PICKLE)
+# reaches this without the memo sharing a tuple, each element being an opcode.
+MAX_TUPLE_WEIGHT = 1 << 26
+_SCALAR = (0, 1)
 
 # What each opcode the unpickler reads does to the stack, and its argument's width.
 (_PUSH, _TUPLE_N, _TUPLE, _EMPTY_TUPLE, _MARK, _POP_N, _POP_MARK, _PERSID, _CALL, _GET, _PUT, _NOTHING,
@@ -80,7 +88,7 @@ def scan(data: bytes, start: int = 0) -> tuple[set, int]:
         materialize.checkpoint.pickle_scan.ScanError: its pickle nests tuples more than 1000 deep ...
     """
     names: set = set()
-    # The unpickler's stack, each value's tuple depth in place of the value;
+    # The unpickler's stack, each value's (tuple depth, weight) in place of the value;
     # ``live`` turns false where the unpickler itself would fail (it stops there).
     stack: list = []
     marks: list = []
@@ -116,28 +124,36 @@ def scan(data: bytes, start: int = 0) -> tuple[set, int]:
         if not live:
             continue
         if kind <= _PUSH or kind == _GLOBAL or kind >= _STRING4:
-            stack.append(0)
+            stack.append(_SCALAR)
         elif kind == _TUPLE_N or kind == _TUPLE or kind == _EMPTY_TUPLE:
             if kind == _TUPLE_N:
                 if len(stack) < count:
                     live = False
                     continue
-                depth = max(stack[-count:]) + 1
+                items = stack[-count:]
                 del stack[-count:]
             elif kind == _TUPLE:
                 if not marks:
                     live = False
                     continue
-                depth = max(stack, default=0) + 1
+                items = stack
                 stack = marks.pop()
             else:
-                depth = 1
+                items = ()
+            depth = max((d for d, _ in items), default=0) + 1
+            weight = sum(w for _, w in items) + 1
             if depth > MAX_TUPLE_DEPTH:
                 raise ScanError(
                     f"its pickle nests tuples more than {MAX_TUPLE_DEPTH} deep (PyTorch's unpickler would "
                     "crash the process hashing them)"
                 )
-            stack.append(depth)
+            if weight > MAX_TUPLE_WEIGHT:
+                raise ScanError(
+                    f"its pickle builds a tuple of more than {MAX_TUPLE_WEIGHT} elements counted through its "
+                    "nesting, sharing tuples through its memo (PyTorch's unpickler would take that long "
+                    "hashing it)"
+                )
+            stack.append((depth, weight))
         elif kind == _MARK:
             marks.append(stack)
             stack = []
@@ -150,7 +166,7 @@ def scan(data: bytes, start: int = 0) -> tuple[set, int]:
             top = stack[-1]
             del stack[len(stack) - need:]
             if kind == _PERSID:
-                stack.append(0)
+                stack.append(_SCALAR)
             elif kind == _CALL:
                 stack.append(top)
         elif kind == _POP_MARK:
@@ -159,7 +175,7 @@ def scan(data: bytes, start: int = 0) -> tuple[set, int]:
                 continue
             stack = marks.pop()
         elif kind == _GET:
-            stack.append(memo.get(int.from_bytes(arg, "little"), 0))
+            stack.append(memo.get(int.from_bytes(arg, "little"), _SCALAR))
         elif kind == _PUT:
             if not stack:
                 live = False

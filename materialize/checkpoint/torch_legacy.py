@@ -28,7 +28,7 @@ import tarfile
 
 import torch
 
-from .torch_pickle import PickleError, StorageRecord, load_pickle
+from .torch_pickle import PickleError, StorageRecord, load_pickle, short
 
 MAGIC = 0x1950A86A20F9469CFC6C
 PROTOCOL = 1001
@@ -52,7 +52,7 @@ class _LegacyStorages:
 
     def persistent_load(self, saved_id):
         if type(saved_id) is not tuple or len(saved_id) != 6:
-            raise PickleError(f"a persistent id is {type(saved_id).__name__} {str(saved_id)[:60]}, not a storage")
+            raise PickleError(f"a persistent id is {type(saved_id).__name__} {short(saved_id)}, not a storage")
         storage_type, key, location, numel, view = saved_id[1:]
         if view is not None:
             raise PickleError(
@@ -60,12 +60,12 @@ class _LegacyStorages:
                 "read; load it with torch.load and save it again"
             )
         if not isinstance(storage_type, torch.serialization.StorageType):
-            raise PickleError(f"a storage has type {str(storage_type)[:40]}, not a storage type torch.load reads")
+            raise PickleError(f"a storage has type {short(storage_type)}, not a storage type torch.load reads")
         torch.serialization._maybe_decode_ascii(location)
         dtype = storage_type.dtype
         nbytes = numel * torch._utils._element_size(dtype)
         if type(nbytes) is not int or nbytes < 0:
-            raise PickleError(f"storage {str(key)[:40]} has {str(numel)[:40]} elements")
+            raise PickleError(f"storage {short(key)} has {short(numel)} elements")
         typed = self.by_key.get(key)
         if typed is None:
             typed = self.by_key[key] = self._new(key, dtype, nbytes)
@@ -121,21 +121,21 @@ def parse_legacy(f, size: int):
         except TypeError:
             typed = None
         if typed is None:
-            raise PickleError(f"its list of storages names {str(key)[:40]}, which its pickle does not")
+            raise PickleError(f"its list of storages names {short(key)}, which its pickle does not")
         record = storages.records[typed._untyped_storage._cdata]
         f.seek(at)
         head = f.read(8)
         if len(head) < 8:
-            raise PickleError(f"it ends at byte {size}, before the bytes of storage {str(key)[:40]}")
+            raise PickleError(f"it ends at byte {size}, before the bytes of storage {short(key)}")
         count = int.from_bytes(head, "little", signed=True)
         # torch.load multiplies in 64 bits, unsigned, and reads the storage's own size
         if (count * torch._utils._element_size(record.dtype)) % _U64 != record.nbytes:
-            raise PickleError(f"storage {str(key)[:40]} has {count} elements in the file, its pickle says {record.nbytes} bytes")
+            raise PickleError(f"storage {short(key)} has {count} elements in the file, its pickle says {record.nbytes} bytes")
         if at + 8 + record.nbytes > size:
-            raise PickleError(f"it is truncated: storage {str(key)[:40]} ends at byte {at + 8 + record.nbytes}, the file has {size}")
+            raise PickleError(f"it is truncated: storage {short(key)} ends at byte {at + 8 + record.nbytes}, the file has {size}")
         record.info = (None, at + 8)
         at += 8 + record.nbytes
     for record in storages.records.values():
         if record.info is None and record.nbytes:
-            raise PickleError(f"storage {str(record.name)[:40]} has no bytes in it (torch.load would leave it uninitialised)")
+            raise PickleError(f"storage {short(record.name)} has no bytes in it (torch.load would leave it uninitialised)")
     return obj, storages.records

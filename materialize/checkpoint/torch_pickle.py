@@ -23,6 +23,7 @@ dense tensors stored in the archive.
 from __future__ import annotations
 
 import io
+import reprlib
 import math
 import operator
 
@@ -42,6 +43,26 @@ _REFUSED_FUNCTIONS = (
 
 class PickleError(ValueError):
     """What is wrong with an archive's pickle (the caller names the file)."""
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 40, 40, 40
+_SHORT.maxtuple = _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 4
+
+
+def short(value) -> str:
+    """``value`` for an error message, in bounded work: a pickle's lists may
+    share themselves through its memo, so that ``str`` would never return.
+
+    Example::
+
+        >>> nested = []
+        >>> for _ in range(100):
+        ...     nested = [nested, nested]
+        >>> short(nested)
+        '[[[...], [...]], [[...], [...]]]'
+    """
+    return _SHORT.repr(value)
 
 
 def _allowed_globals() -> set:
@@ -77,16 +98,16 @@ class _Storages:
 
     def persistent_load(self, saved_id):
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise PickleError(f"a persistent id is {type(saved_id).__name__} {str(saved_id)[:60]}, not a storage")
+            raise PickleError(f"a persistent id is {type(saved_id).__name__} {short(saved_id)}, not a storage")
         if torch.serialization._maybe_decode_ascii(saved_id[0]) != "storage":
-            raise PickleError(f"a persistent id names {str(saved_id[0])[:40]}, not a storage")
+            raise PickleError(f"a persistent id names {short(saved_id[0])}, not a storage")
         storage_type, key, location, numel = saved_id[1:]
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         if key in self.by_key:  # torch.load reuses a storage it read, whatever else the id says
             return self.by_key[key]
         nbytes = numel * torch._utils._element_size(dtype)
         if type(nbytes) is not int or nbytes < 0:
-            raise PickleError(f"storage {str(key)[:40]} has {str(numel)[:40]} elements")
+            raise PickleError(f"storage {short(key)} has {short(numel)} elements")
         torch.serialization._maybe_decode_ascii(location)
         name = f"data/{key}"
         info = self.lookup(name, nbytes)
