@@ -378,3 +378,77 @@ def test_a_small_record_inflating_to_a_huge_one_is_refused_unread(tmp_path):
     out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert path in out["refused"] and "version" in out["refused"], done.stdout
     assert int(out["peak"]) < 64 << 20, done.stdout  # nothing near the record's 256 MiB
+
+
+# -- pickles that never finish --------------------------------------------------------
+
+
+def _shared_tuples(levels: int) -> bytes:
+    """{"w": 1, t: 1} where t = (t', t'), ``levels`` times over, through the memo."""
+    pkl = b"\x80\x02}(X\x01\x00\x00\x00wK\x01" + b")q\x00"
+    for i in range(levels):
+        pkl += b"h" + bytes([i]) + b"\x86q" + bytes([i + 1])  # (top, memo[i]): the top is memo[i]
+    return pkl + b"K\x01u."
+
+
+def test_a_tuple_sharing_itself_that_hashes_forever_is_refused(tmp_path):
+    path = str(tmp_path / "shared_tuples.pt")
+    with_pickle(path, _shared_tuples(60))
+    assert os.path.getsize(path) < 10_000
+    # torch.load hashes the 2**60-element key: it would run for centuries
+    with pytest.raises(subprocess.TimeoutExpired):
+        child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=20)
+    with_pickle(path, _shared_tuples(10))  # 2**10: torch.load reads it
+    child(f"import torch; assert len(torch.load({path!r}, weights_only=True)) == 2").check_returncode()
+    with_pickle(path, _shared_tuples(60))
+    ours = child(f"""
+        import torch
+        from deferinit import CheckpointError
+        from materialize import load_checkpoint
+        try:
+            load_checkpoint(torch.nn.Linear(2, 2), {path!r})
+        except CheckpointError as e:
+            print(e)
+    """, timeout=120)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert path in ours.stdout and "sharing tuples through its memo" in ours.stdout
+
+
+def _text(value: str) -> bytes:
+    return b"X" + len(value).to_bytes(4, "little") + value.encode()
+
+
+def _storage_of_shared_lists(levels: int) -> bytes:
+    """{"w": a storage whose element count is l = [l', l'], ``levels`` times over}
+    (``str(l)`` never returns)."""
+    pkl = b"\x80\x02]q\x00"
+    for i in range(levels):  # each list is left on the stack below the next
+        pkl += b"](h" + bytes([i]) + b"h" + bytes([i]) + b"eq" + bytes([i + 1])
+    pid = b"(" + _text("storage") + b"ctorch\nFloatStorage\n" + _text("0") + _text("cpu") + b"h" + bytes([levels]) + b"t"
+    return pkl + b"}" + _text("w") + pid + b"Qs."
+
+
+def test_an_error_about_a_value_that_shares_itself_is_bounded(tmp_path):
+    path = str(tmp_path / "shared_lists.pt")
+    with_pickle(path, _storage_of_shared_lists(60))
+    # torch.load never returns either: it formats the list for its error message
+    with pytest.raises(subprocess.TimeoutExpired):
+        child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=20)
+    ours = child(f"""
+        import torch
+        from deferinit import CheckpointError
+        from materialize import load_checkpoint
+        try:
+            load_checkpoint(torch.nn.Linear(2, 2), {path!r})
+        except CheckpointError as e:
+            print(e)
+    """, timeout=120)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    assert path in ours.stdout and "[[[...], [...]], [[...], [...]]] elements" in ours.stdout, ours.stdout[:3000]
+
+
+def test_a_tensor_named_by_a_tuple_is_refused(tmp_path):
+    path = str(tmp_path / "tuple_key.pt")
+    torch.save({("0", "weight"): torch.ones(4, 3)}, path)
+    assert ("0", "weight") in torch.load(path, weights_only=True)
+    refused(path, "names a tensor or dict by a tuple, not a string or an integer")
