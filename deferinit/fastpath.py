@@ -135,6 +135,8 @@ def detach(record, args, kwargs):
     f["_record"] = d["_record"]
     f["_value"] = d["_value"]
     f["_storage"] = d["_storage"]
+    if "_data_alias" in d:  # detach shares the version counter
+        f["_data_alias"] = True
     return fake
 
 
@@ -192,6 +194,8 @@ def _fill(op):
         node = Node("op", op, flat, spec)
         _default_dtype_node(node)
         node.writes = (0,)
+        if "_data_alias" in d:
+            node.data_writes = (0,)
         if random:
             record.add_random(node, key_of_generator(generator) if generator is not None else d["_device"], storage)
         storage.head = node

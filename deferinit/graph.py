@@ -61,6 +61,16 @@ class Node:
     # attributes, so making a node (the hot path of recording) sets five.
     payload = None
     version = None
+    # For an "external" node: the memory and geometry the outside tensor had
+    # when recorded, ``(storage, dtype, offset, shape, stride, conj, neg)``; replay reads them
+    # if the tensor was pointed at other memory since (``t.data = other``).
+    memory = None
+    # For a view: its base's version counter when it was taken (autograd
+    # regenerates a view's grad_fn once that counter moved on).
+    base_version = None
+    # For a call autograd saw: ``((position, version), ...)`` of the views
+    # it read (their version counter then).
+    read_versions = ()
     # (weak reference to the record stream, index in that stream) for nodes
     # that draw random numbers, else None.
     rng = None
@@ -76,6 +86,13 @@ class Node:
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False
+    # Positions in ``flat`` of the inputs it writes that required no grad,
+    # and of those it writes through ``t.data`` (a version counter of its own).
+    plain_writes = ()
+    data_writes = ()
+    # ``t.data = new`` on a tensor with a graph (a ``set_`` node; see
+    # :func:`deferinit.grad.data_node`).
+    data_swap = False
     # Positions in ``flat`` of the inputs this node writes in place.
     writes = ()
     default_dtype = None
@@ -187,21 +204,56 @@ class Input:
         return f"<Input {self.value!r} @ {self.version!r}>"
 
 
+class FreshRead(Input):
+    """A read of a value computed afresh although its storage is real: the
+    computation carries eager's autograd graph, which the real memory,
+    materialized through another tensor, lacks."""
+
+    __slots__ = ()
+
+
 class Leaf:
-    """The identity of one leaf tensor that requires grad (an ``nn.Parameter``)
-    as autograd saw it while recording.
+    """The identity of one leaf tensor object as autograd saw it while
+    recording: one that requires grad (an ``nn.Parameter``), or one a view
+    was taken of (a view's ``requires_grad`` follows its base's, also when
+    ``requires_grad_`` comes later).
 
     Several tensor objects may share one value (``nn.Parameter(t)`` and
-    ``t``), but gradients accumulate on one object: the fake keeps its
-    ``Leaf`` (``__dict__["_leaf"]``) and the nodes that read it through
-    autograd name it.  Once materialized, ``real`` is the real tensor object
-    (the very object that was the fake), so graphs replayed later reach it.
+    ``t``), but gradients accumulate on one object, and views follow one
+    object: the fake keeps its ``Leaf`` (``__dict__["_leaf"]``) and the nodes
+    that read it through autograd name it.  ``events`` says when its
+    ``requires_grad`` changed: ``(seq, flag)``, from the node numbered
+    ``seq`` on (the first entry, at -1, is the flag when it was first read).
+    Once materialized, ``real`` is the real tensor object (the very object
+    that was the fake), so graphs replayed later reach it.
     """
 
-    __slots__ = ("real",)
+    __slots__ = ("real", "real_version", "events")
 
-    def __init__(self):
+    def __init__(self, requires_grad: bool = True):
         self.real = None
+        # ``real``'s version counter when it became real: writes since then
+        # make autograd regenerate the grad_fn of its views.
+        self.real_version = None
+        self.events = [(-1, requires_grad)]
+
+    def changed(self, requires_grad: bool) -> None:
+        """``requires_grad_`` on the fake: the nodes recorded from now on see ``requires_grad``."""
+        if self.events[-1][1] != requires_grad:
+            self.events.append((peek_seq(), requires_grad))
+
+    def flag_at(self, seq: int) -> bool:
+        """``requires_grad`` when node ``seq`` ran eagerly."""
+        flag = self.events[0][1]
+        for when, value in self.events:
+            if when > seq:
+                break
+            flag = value
+        return flag
+
+    def after(self, seq: int) -> list:
+        """The changes made after node ``seq`` ran."""
+        return [e for e in self.events if e[0] > seq]
 
 
 def version_seq(version: Node | None) -> int:

@@ -34,7 +34,7 @@ import torch
 from fake.device import normalize
 
 from .errors import ReplayError
-from .graph import Input, Node, version_seq
+from .graph import FreshRead, Input, Node, version_seq
 from .liveness import RUN, Liveness
 from .rng import Stream
 from .streams import ReplayStream, replay_streams
@@ -64,6 +64,7 @@ def real_read(inp: Input) -> bool:
     storage = inp.value.storage
     return (
         storage is not None
+        and type(inp) is not FreshRead
         and storage.real is not None
         and version_seq(inp.version) >= version_seq(storage.real_head)
     )

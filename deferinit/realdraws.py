@@ -42,6 +42,7 @@ from fake.bypass import no_python_dispatch
 from fake.flat import flatten
 
 from .graph import Input, Node
+from .record import FOREIGN
 from .rng import default_generator, get_state, scratch_generator, set_state, stream_key
 
 
@@ -95,12 +96,13 @@ def call_with_generator(node, target, args, kwargs, gen: torch.Generator, device
         return target(*args, **kwargs)
     real = default_generator(device)
     saved = get_state(real)
-    set_state(real, get_state(gen))
+    # Logged: a thread recording meanwhile must not take the borrow for its own reseed.
+    FOREIGN.set_state(real, get_state(gen))
     try:
         out = target(*args, **kwargs)
         set_state(gen, get_state(real))
     finally:
-        set_state(real, saved)
+        FOREIGN.set_state(real, saved)
     return out
 
 

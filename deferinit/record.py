@@ -234,7 +234,7 @@ class Record:
             return
         state = latest[2] if latest[1] == SET else seeded_state(key, latest[2])
         if fingerprint(get_state(gen)) != fingerprint(state):
-            set_state(gen, state)
+            FOREIGN.set_state(gen, state)
 
     @property
     def chained(self) -> bool:
@@ -321,6 +321,14 @@ class Foreign:
                     log = self._log.setdefault(key, [])
                     log.append((self.epoch, current_seed(gen)))
                     del log[: -self._KEEP]
+
+    def set_state(self, gen: torch.Generator, state: torch.Tensor) -> None:
+        """Put default generator ``gen`` in ``state`` for deferinit's own ends (a
+        record closing settles it, a materialization hands it over, a replay
+        borrows it for an operator without a ``generator`` argument): logged as
+        another thread's call is, so that no thread recording meanwhile takes
+        the seed that comes with ``state`` for its own doing."""
+        self.setting(set_state, gen, state)
 
     def explains(self, key, seed: int, since: int) -> bool:
         """Whether another thread gave ``key``'s generator ``seed`` after epoch ``since``."""

@@ -25,7 +25,9 @@ from .errors import DataDependentError, InferenceTensorInputError, MixedFakeErro
 from .fastpath import FAST
 from .outside import computes_plain
 from .realdraws import draw_real
-from .grad import autograd_reads as _autograd_reads
+from .plain import copied, dispatches_itself, holds_values
+from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
+from .grad import data_node, grad_fn_of, note_autograd, note_set_with_grad, note_writes, requires_grad_changed
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
@@ -37,18 +39,6 @@ LIFT_OPS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
 # Ops whose output is the input itself under another Python object (same
 # storage, same geometry): the output shares the input's value, no node.
 SAME_VALUE_OPS = frozenset({aten.detach.default, aten.alias.default})
-
-def attach(fake: FakeTensor, record, value: Value, storage: Storage) -> FakeTensor:
-    d = fake.__dict__
-    d["_record"] = record
-    d["_value"] = value
-    d["_storage"] = storage
-    return fake
-
-
-def is_deferred_fake(t) -> bool:
-    return isinstance(t, FakeTensor) and t._record is not None
-
 
 class Recorder(FakeHandler):
     """Handler for recorded fakes (registered with :mod:`fake.handlers`)."""
@@ -94,6 +84,8 @@ class Recorder(FakeHandler):
             return call.out
         if func in SAME_VALUE_OPS and isinstance(args[0], FakeTensor) and args[0]._record is not None:
             source = args[0]
+            if "_data_alias" in source.__dict__:  # shares its version counter
+                call.out.__dict__["_data_alias"] = True
             return attach(call.out, source._record, source._value, source._storage)
 
         flat, spec = call.flat, call.spec
@@ -116,15 +108,7 @@ class Recorder(FakeHandler):
         dtype = torch.get_default_dtype()
         if dtype is not torch.float32:
             node.default_dtype = dtype
-        grad_mode = _grad_enabled()
-        if info.view_arg is not None:
-            # Autograd marks every view with the grad mode it was taken in
-            # (an in-place op may later need it), and a view taken under
-            # no_grad of a tensor that requires grad requires grad too.
-            node.grad = _autograd_reads(flat, view=True)
-            node.no_grad = not grad_mode
-        elif grad_mode:
-            node.grad = _autograd_reads(flat)
+        note_autograd(node, info, flat, args, kwargs)
 
         written = call.mutated
         for fake in written:
@@ -138,12 +122,15 @@ class Recorder(FakeHandler):
                 base = info.arg(args, kwargs, info.view_arg)
                 if isinstance(base, FakeTensor):
                     base_storage = base._storage
+            data_alias = base_storage is not None and "_data_alias" in base.__dict__
             for pos, fake in call.fresh:
                 storage = base_storage if base_storage is not None else Storage()
                 d = fake.__dict__
                 d["_record"] = record
                 d["_value"] = Value(node, pos, fake, storage)
                 d["_storage"] = storage
+                if data_alias:  # a view shares its base's version counter
+                    d["_data_alias"] = True
         if info.random:
             target = written[0] if written else call.fresh[0][1] if call.fresh else None
             device = target.device if target is not None else call.device
@@ -187,10 +174,13 @@ class Recorder(FakeHandler):
                     positions.append(i)
                     break
         node.writes = tuple(positions)
+        note_writes(node, call.flat)
         for fake in written:
             if not isinstance(fake, FakeTensor):
                 continue
             if is_set:
+                if node.grad is not None:
+                    note_set_with_grad(node, fake, positions[0])
                 source = info.arg(args, kwargs, 1) if len(func._schema.arguments) > 1 else None
                 fake.__dict__["_storage"] = source._storage if isinstance(source, FakeTensor) else Storage()
             else:
@@ -212,6 +202,18 @@ class Recorder(FakeHandler):
         return Input(value, None)
 
     def _external_value(self, t: torch.Tensor, func=None):
+        if func is aten.copy_.default and (t.is_inference() or not holds_values(t)):
+            # copy_ reads its source at the call, eagerly: read it now, where a
+            # later change cannot be checked (no version counter) or replay
+            # could not read it (its memory is not its values; see plain.py).
+            t = copied(t)
+        elif dispatches_itself(t):
+            raise RecordingError(
+                f"{func or 'an operation'} {_in_or_after()} used a {type(t).__name__} {describe(t)} from "
+                f"outside, a tensor subclass with its own __torch_dispatch__{self.where()}: replay runs "
+                "PyTorch's kernels on plain memory and cannot run that dispatch. Pass a plain tensor of its "
+                "values (torch.empty(t.shape, dtype=t.dtype).copy_(t), or the library's own conversion)."
+            )
         if t.is_inference():
             raise InferenceTensorInputError(
                 f"{func or 'an operation'} {_in_or_after()} used an inference tensor "
@@ -222,6 +224,10 @@ class Recorder(FakeHandler):
             )
         node = Node("external", None, payload=t)
         node.version = t._version
+        try:
+            node.memory = (t.untyped_storage(), t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
+        except (RuntimeError, NotImplementedError):
+            pass  # no strided storage (a sparse tensor): read as it is
         storage = Storage()
         return Value(node, 0, meta_twin(t), storage, t.device), storage
 
@@ -261,10 +267,16 @@ class Recorder(FakeHandler):
         check_storage_not_real(tensor, fn)
         record.add_random(node, stream_key(kwargs, tensor.device), tensor._storage)
         node.writes = (0,)
+        if "_data_alias" in tensor.__dict__:
+            node.data_writes = (0,)
         tensor._storage.head = node
         return tensor
 
     # -- variable-level calls ---------------------------------------------------
+
+    def requires_grad_changed(self, fake) -> None:
+        if fake._record is not None:
+            requires_grad_changed(fake)
 
     def set_data(self, fake, new) -> None:
         if not isinstance(new, torch.Tensor):
@@ -283,8 +295,14 @@ class Recorder(FakeHandler):
                 "Do this outside fake_mode (it is then recorded), create the new data inside "
                 "deferred_init, or assign a real tensor."
             )
+        record = new._record
+        node = None
+        if fake._record is not None and grad_fn_of(fake) is not None:
+            # It keeps its graph with other data: a node reads both.
+            node = data_node(self._read(fake, "tensor.data =", record), self._read(new, "tensor.data =", record))
         adopt(fake, new)
-        attach(fake, new._record, new._value, new._storage)
+        value = new._value if node is None else Value(node, 0, fake, new._storage)
+        attach(fake, record, value, new._storage)
 
     def _wrap_external(self, t: torch.Tensor, record) -> FakeTensor:
         value, storage = self._external_value(t, "tensor.data =")
@@ -350,22 +368,6 @@ def _in_or_after() -> str:
     return "inside deferred_init" if current_record() is not None else "on a deferred tensor"
 
 
-def check_storage_not_real(fake: FakeTensor, op) -> None:
-    """Refuse to record a write to a deferred tensor whose memory is already real.
-
-    Once a tensor is materialized, its views still deferred read the real
-    memory; a write recorded now would only be replayed when the view is
-    materialized, after whatever was done to the real memory in between.
-    """
-    storage = fake.__dict__.get("_storage")
-    if storage is not None and storage.real is not None:
-        raise RecordingError(
-            f"{getattr(op, '__name__', op)} writes a deferred tensor {describe(fake)} that shares "
-            "memory with a tensor already materialized, so the write would be replayed out of "
-            "order. Materialize this tensor first (materialize_tensor), then write to it."
-        )
-
-
 def _has_fake(args, kwargs) -> bool:
     return any(isinstance(x, FakeTensor) for x in flatten(args, kwargs)[0])
 
@@ -387,7 +389,5 @@ def _record_of(args, kwargs):
                     return b._record
     return current_record()
 
-
-_grad_enabled = torch.is_grad_enabled
 RECORDER = Recorder()
 handlers.register_deferred(RECORDER)

@@ -304,6 +304,9 @@ class FakeHandler:
             raise FakeDataAccessError(operation, describe(fake))
         return compute(value)
 
+    def requires_grad_changed(self, fake) -> None:
+        """After ``requires_grad_`` on ``fake`` (the recorder notes it)."""
+
     def set_data(self, fake, new) -> None:
         """``fake.data = new``: the fake takes ``new``'s geometry and shadow."""
         if not isinstance(new, FakeTensor):

@@ -60,6 +60,8 @@ class FakeFunctionMode(TorchFunctionMode):
         self.bodies: list = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _PLAIN:
+            return func(*args, **kwargs) if kwargs else func(*args)
         meant = _backend_stands_for(args) if BACKENDLESS and type(func) not in _OPERATORS else None
         if meant is not None:
             with backend_stands_for(meant):
@@ -113,6 +115,17 @@ class FakeFunctionMode(TorchFunctionMode):
             # A file, a storage or a buffer: real, as eagerly (fake/reads.py).
             return read(func, args, kwargs, self.fake_cuda)
         return rewrite_call(func, args, kwargs, self.fake_cuda)
+
+
+# The calls every constructor makes most often (nn.init's no_grad blocks,
+# register_parameter's grad_fn test, fan computations), which make no tensor
+# and take no device: straight through.
+_PLAIN = frozenset({
+    torch._C._set_grad_enabled,
+    torch.Tensor.grad_fn.__get__,
+    torch.Tensor.dim,
+    torch.Tensor.size,
+})
 
 
 # Operators called directly (DTensor running its local computation): their

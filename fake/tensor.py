@@ -26,7 +26,7 @@ from .storage_set import fake_set_
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
@@ -139,11 +139,29 @@ class FakeTensor(torch.Tensor):
 
     @property
     def data(self):
-        return torch.Tensor.data.__get__(self)
+        out = torch.Tensor.data.__get__(self)
+        # A version counter of its own: writes through it move no counter of
+        # this tensor's views, as eagerly (the recorder keeps this apart).
+        out.__dict__["_data_alias"] = True
+        return out
 
     @data.setter
     def data(self, new) -> None:
         handlers.for_args((self, new), None).set_data(self, new)
+
+    # -- requires_grad ----------------------------------------------------------
+
+    def requires_grad_(self, requires_grad=True):
+        _REQUIRES_GRAD_(self, requires_grad)
+        # A view follows its base's flag: the recorder notes when it changed.
+        handlers.for_args((self,), None).requires_grad_changed(self)
+        return self
+
+    def _set_requires_grad(self, requires_grad) -> None:
+        _REQUIRES_GRAD.__set__(self, requires_grad)
+        handlers.for_args((self,), None).requires_grad_changed(self)
+
+    requires_grad = property(torch._C.TensorBase.requires_grad.__get__, _set_requires_grad)
 
     # -- moving between devices ---------------------------------------------
 
@@ -204,8 +222,8 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy()", lambda t: _read_only(t.numpy(force=force), t))
 
     def __array__(self, dtype=None, copy=None):
-        if copy:  # np.array(t): a copy of its own, writable as eagerly
-            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy())
+        if copy:  # np.array(t): a copy of its own, writable as eagerly, in the order of t's strides
+            return self._data_access("numpy.array()", lambda t: t.__array__(dtype).copy(order="K"))
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
@@ -247,6 +265,8 @@ def _read_only(array, real: torch.Tensor):
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 _STRIDED = torch.strided
 
 

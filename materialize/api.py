@@ -11,7 +11,11 @@ from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 
-from .autograd import Binder, check_graph, deferred_leaves, leaf_token, needs_graph, same_memory, view_again
+from .autograd import (
+    Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
+    with_fresh_graphs,
+)
+from .graphcheck import check_graph
 
 from .generators import hand_over_generators, records_of
 from .progress import start_progress
@@ -139,7 +143,7 @@ def _module_targets(module, buffers_only, check_fn):
 
 def _materialize(targets, *, device, inference, progress, kept_deferred=None) -> None:
     binder = None
-    if not inference and any(needs_graph(fake) for _, fake in targets):
+    if not inference and any(needs_graph(fake) or real_root_of(fake) for _, fake in targets):
         # Tensors computed from parameters with autograd: replay their graph
         # on the leaf objects, which are materialized with them.
         extra = deferred_leaves(targets)
@@ -155,16 +159,18 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
     reads = [read_of(fake) for _, fake in targets]
     labels = [name for name, _ in targets]
     fakes = [fake for _, fake in targets]
+    fresh = fresh_reads(targets, reads) if binder is not None else []
     shown = start_progress(progress, fakes)
     try:
-        replay = Replay(reads, device=device, inference=inference, labels=labels, autograd=binder)
+        replay = Replay(reads + [r for _, r in fresh], device=device, inference=inference,
+                        labels=labels + [labels[i] for i, _ in fresh], autograd=binder)
         if shown is not None:
             replay.progress = shown.replay_callback(replay, fakes)
-        reals = replay.run()
+        reals = with_fresh_graphs(replay.run(), fresh, len(reads))
         records = records_of(fakes)
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]
-        pairs = _dressed(targets, reals, inference, binder)
+        pairs = _dressed(targets, reals, inference, binder, replay.retaken)
         swap_all(pairs)
     except BaseException:
         if shown is not None:
@@ -176,6 +182,7 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
     for fake, token in zip(fakes, tokens):
         if token is not None:
             token.real = fake  # now real: graphs replayed later reach it
+            token.real_version = None if fake.is_inference() else fake._version
     # The fakes are the real tensors now (``reals`` may have been swapped out).
     remember_real_storages(reads, storages, fakes)
     # The fakes swapped out die with these lists, and with them what only they
@@ -185,10 +192,10 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
     hand_over_generators(replay.replay_streams, device, records)
 
 
-def _dressed(targets, reals, inference, binder) -> list:
+def _dressed(targets, reals, inference, binder, retaken=()) -> list:
     """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
     pairs = []
-    for (name, fake), real in zip(targets, reals):
+    for i, ((name, fake), real) in enumerate(zip(targets, reals)):
         made = binder.made_for(fake) if binder is not None else None
         if made is not None:
             if not same_memory(made, real):
@@ -200,7 +207,7 @@ def _dressed(targets, reals, inference, binder) -> list:
         if not inference:
             real = view_again(real, fake)
             check_graph(name, fake, real, binder)
-        pairs.append((fake, dress(fake, real, inference, made)))
+        pairs.append((fake, dress(fake, real, inference, made, i in retaken)))
     seen = {}
     for (fake, obj), (name, _) in zip(pairs, targets):
         other = seen.setdefault(id(obj), name)

@@ -8,17 +8,25 @@ which calls autograd saw and which leaf objects they read
 (``Node.grad``, :class:`deferinit.graph.Leaf`).  Replay runs those calls
 with grad enabled on the very leaf objects that will be swapped into the
 fakes (:class:`Binder` makes them, dressed, when first read), so the real
-tensor gets the same graph on the same leaves.  :func:`check_graph` then
+tensor gets the same graph on the same leaves (the calls themselves run in
+:mod:`materialize.gradcalls`).  A leaf's ``requires_grad`` changes while
+recording are replayed at their place (:meth:`Binder.advance`): a view
+follows its base's flag.  :func:`materialize.graphcheck.check_graph` then
 compares the real graph with the fake one, node by node, before anything is
-swapped in: what cannot match raises :class:`AutogradMaterializationError`.
+swapped in: what cannot match raises ``AutogradMaterializationError``.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+
 import torch
 
-from deferinit.errors import AutogradMaterializationError
+from deferinit.graph import FreshRead, Input
+from deferinit.plan import real_read
 from deferinit.recorder import is_deferred_fake
+from fake.opinfo import op_info
 from fake.tensor import FakeTensor
 
 
@@ -76,6 +84,22 @@ def view_again(t: torch.Tensor, fake: torch.Tensor | None = None) -> torch.Tenso
 
 
 _NO_GRAD_MODE = torch._C._autograd.CreationMeta.NO_GRAD_MODE
+_DEFAULT = torch._C._autograd.CreationMeta.DEFAULT
+
+
+def regenerated(view: torch.Tensor) -> torch.Tensor:
+    """``view`` as autograd leaves a view taken under grad mode once its base was
+    written in place through another alias: its ``grad_fn`` regenerated from
+    the base (``as_strided`` for plain tensors).  Taken afresh, the view would
+    keep the ``grad_fn`` of its own view function instead; moving the shared
+    version counter would make other views regenerate too."""
+    base = view._base if view._is_view() else None
+    if base is None or not base.requires_grad or base.dtype != view.dtype:
+        return view
+    if torch._C._autograd._get_creation_meta(view) != _DEFAULT:
+        return view
+    with torch.enable_grad():
+        return base.as_strided(view.size(), view.stride(), view.storage_offset())
 
 
 def is_grad_view(t: torch.Tensor) -> bool:
@@ -117,6 +141,59 @@ def graph_leaves(t: torch.Tensor) -> list[torch.Tensor]:
             leaves.append(variable)
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
+
+
+def real_root_of(fake):
+    """:func:`real_root` of a fake that is a view (None for any other)."""
+    return real_root(fake._value) if fake._is_view() else None
+
+
+def real_root(value):
+    """The ``Leaf`` of the real object a deferred view was taken from (through
+    views of views), or None: the view follows that object's autograd state,
+    which may have changed since it became real."""
+    while True:
+        node = value.node
+        if node.grad is None or node.kind != "op" or op_info(node.target).view_arg is None:
+            return None
+        base = None
+        for pos, leaf in node.grad:
+            if leaf is not None and leaf.real is not None:
+                return leaf
+        for x in node.flat:
+            if type(x) is Input:
+                base = x
+                break
+        if base is None:
+            return None
+        value = base.value
+
+
+def fresh_reads(targets, reads) -> list[tuple[int, FreshRead]]:
+    """``(index, read)`` for the targets computed with autograd whose memory is
+    already real (a tensor sharing it, ``nn.Parameter(t, requires_grad=False)``,
+    was materialized before): their computation is replayed afresh for its
+    graph, and the result gets the real memory (:func:`with_fresh_graphs`)."""
+    out = []
+    for i, ((_, fake), read) in enumerate(zip(targets, reads)):
+        node = read.value.node
+        if (grad_fn_of(fake) is not None and real_read(read) and node.kind == "op"
+                and op_info(node.target).view_arg is None and op_info(node.target).opname != "set_"):
+            out.append((i, FreshRead(read.value, read.version)))
+    return out
+
+
+def with_fresh_graphs(reals: list, fresh, count: int) -> list:
+    """The first ``count`` results, those with a fresh read (:func:`fresh_reads`)
+    being the computed tensor, with its graph, on the real memory (as
+    ``t.data = real``: eagerly that object shares the memory)."""
+    out = list(reals[:count])
+    for k, (i, _) in enumerate(fresh):
+        graph = reals[count + k]
+        with torch.no_grad():
+            graph.data = out[i]
+        out[i] = graph
+    return out
 
 
 def deferred_leaves(targets) -> list[tuple[str, torch.Tensor]]:
@@ -174,18 +251,39 @@ class Binder:
                 self.fakes[id(token)] = fake
         self.make = make
         self.made: dict = {}  # id(Leaf) -> leaf object made in this replay
+        self._changes: list = []  # (seq, n, object, flag): requires_grad_ still to apply
+        self._lent: list = []  # (real leaf, its data) while it holds an older value
+        self._order = itertools.count()
         # Targets that belong to a graph: one whose memory is already real
         # (a view of a parameter materialized before) is viewed again from
         # the real parameter (Replay._view_again).
-        self.views_again = [i for i, (_, fake) in enumerate(targets) if needs_graph(fake)]
+        self.targets = [fake for _, fake in targets]
+        # View nodes of targets whose grad_fn autograd regenerated eagerly
+        # (their base was written since they were taken).
+        self.regenerate = {
+            id(fake._value.node) for fake in self.targets
+            if fake._is_view() and fake._value.node.base_version is not None
+            and fake._value.node.base_version != fake._version
+        }
+        self.views_again = [
+            i for i, fake in enumerate(self.targets) if needs_graph(fake) or real_root_of(fake) is not None
+        ]
 
-    def __call__(self, token, tensor: torch.Tensor, inp) -> torch.Tensor:
+    def __call__(self, token, tensor: torch.Tensor, node) -> torch.Tensor:
+        """The object ``node`` reads as the leaf ``token`` (``tensor`` its value)."""
+        seq = node.seq
         real = token.real
-        if real is not None and same_memory(real, tensor):
-            # Materialized before, and this is its memory (a read of a
-            # storage already real, or a view node taken again from it),
-            # even where an older version of it, computed afresh, got an
-            # object of its own below.
+        if real is not None:
+            if same_memory(real, tensor):
+                # Materialized before, and this is its memory (a read of a
+                # storage already real, or a view node taken again from it).
+                return real
+            # An older value of it, computed afresh: eagerly the same object
+            # held it then, and holds it for this call (a view taken now
+            # keeps that memory, and the real object as its base).
+            self._lent.append((real, real.data))
+            with torch.no_grad():
+                real.data = tensor
             return real
         obj = self.made.get(id(token))
         if obj is not None:
@@ -195,18 +293,46 @@ class Binder:
                 with torch.no_grad():
                     obj.data = tensor
             return obj
+        flag = token.flag_at(seq)
+        later = token.after(seq)
+        if not flag and not later:
+            # The base of a view that never requires grad: no object to follow.
+            return tensor.data if tensor.requires_grad else tensor
         fake = self.fakes.get(id(token))
-        if fake is not None:
-            obj = self.made[id(token)] = self.make(fake, tensor)
-            if not obj.requires_grad:
-                # It required grad when autograd read it (requires_grad_(False)
-                # came later, and is applied after the replay, as eagerly).
-                obj.requires_grad_(True)
-            return obj
-        # A leaf no target's graph accumulates into (a temporary parameter
-        # only viewed under no_grad): a leaf of its own, that nothing sees.
-        obj = self.made[id(token)] = tensor.detach().requires_grad_(True)
+        if fake is not None and flag:
+            obj = self.make(fake, tensor)
+        else:
+            # A leaf no target's graph accumulates into (a temporary parameter
+            # only viewed under no_grad), or the base of views that requires
+            # no grad yet: an object of its own (dressed at the swap).
+            obj = tensor.detach()
+        if obj.requires_grad != flag:
+            # Its flag when this node ran eagerly; later changes come in order.
+            obj.requires_grad_(flag)
+        self.made[id(token)] = obj
+        for when, value in later:
+            heapq.heappush(self._changes, (when, next(self._order), obj, value))
         return obj
+
+    def lent(self) -> int:
+        return len(self._lent)
+
+    def give_back(self, mark: int) -> None:
+        """After a call: the real leaves lent their older values since ``mark``
+        (:meth:`lent`) get theirs back."""
+        with torch.no_grad():
+            while len(self._lent) > mark:
+                real, data = self._lent.pop()
+                real.data = data
+
+    def advance(self, seq: float) -> None:
+        """Apply the ``requires_grad_`` calls made eagerly before node ``seq``
+        to the leaf objects made so far (a view follows its base's flag)."""
+        changes = self._changes
+        while changes and changes[0][0] <= seq:
+            _, _, obj, value = heapq.heappop(changes)
+            if obj.requires_grad != value:
+                obj.requires_grad_(value)
 
     def made_for(self, fake):
         token = leaf_token(fake)
@@ -229,60 +355,4 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.stride() == b.stride()
         and a.storage_offset() == b.storage_offset()
         and a.dtype == b.dtype
-    )
-
-
-def check_graph(name: str, fake: torch.Tensor, real: torch.Tensor, binder: Binder | None) -> None:
-    """Raise :class:`AutogradMaterializationError` unless ``real``'s autograd graph
-    is ``fake``'s: the same nodes, edges and leaves."""
-    if fake.is_inference():
-        return
-    if is_grad_view(fake):
-        # Rebuilt as a view of its base when replay could (dress falls back
-        # to a leaf that requires grad: docs/errors.md, known differences).
-        return
-    if grad_fn_of(fake) is None:
-        return
-    stack = [(grad_fn_of(fake), grad_fn_of(real))]
-    seen = set()
-    while stack:
-        f, r = stack.pop()
-        if f is None and r is None:
-            continue
-        if f is None or r is None or not _same_node(f, r):
-            _refuse(name, fake, f, r)
-        if (id(f), id(r)) in seen:
-            continue
-        seen.add((id(f), id(r)))
-        fv = getattr(f, "variable", None)
-        if fv is not None:
-            rv = getattr(r, "variable", None)
-            if binder is None or not binder.corresponds(fv, rv):
-                _refuse(name, fake, f, r)
-        fn, rn = f.next_functions, r.next_functions
-        if len(fn) != len(rn):
-            _refuse(name, fake, f, r)
-        stack.extend((a, b) for (a, _), (b, _) in zip(fn, rn))
-
-
-def _same_node(f, r) -> bool:
-    if f.name() == r.name():
-        return True
-    # After an in-place op on a view, autograd regenerates the view's grad_fn:
-    # with the view's own function for a tensor subclass (the fake), with
-    # as_strided for plain tensors (eagerly, and the replay).
-    return r.name().startswith("AsStridedBackward") and len(f.next_functions) == 1
-
-
-def _refuse(name, fake, f, r):
-    got = "no graph" if r is None else r.name()
-    eager = type(grad_fn_of(fake)).__name__ if f is not None else "a view taken under no_grad"
-    raise AutogradMaterializationError(
-        f"cannot materialize {name} with eager's autograd graph: eagerly it is computed from "
-        f"tensors that require grad ({eager}, at {f.name() if f is not None else 'the view'}), "
-        f"the replay gave {got}. This happens when the tensors of one graph are materialized "
-        "separately (a tensor computed from another computed tensor that was materialized "
-        "before it, or a tensor sharing its memory, such as nn.Parameter(t) or t.detach(), "
-        "materialized before it): materialize them in one materialize_module call, or this "
-        "one first. Nothing was changed."
     )

@@ -18,6 +18,7 @@ import torch
 
 from deferinit.errors import DeviceUnavailableError
 from deferinit.realdraws import with_generator
+from deferinit.record import FOREIGN
 from deferinit.rng import default_generator, generator_of, get_state, scratch_generator, set_state
 
 
@@ -40,7 +41,7 @@ class Draws:
 
     def __exit__(self, *exc):
         for gen, state in self._borrowed.values():
-            set_state(gen, state)
+            FOREIGN.set_state(gen, state)
         self._borrowed.clear()
 
     def call(self, node, args, kwargs):
@@ -58,7 +59,7 @@ class Draws:
             real = default_generator(rs.device)
             if id(real) not in self._borrowed:
                 self._borrowed[id(real)] = (real, get_state(real))
-            set_state(real, get_state(gen))
+            FOREIGN.set_state(real, get_state(gen))  # seen by no recording thread as its own
             out = target(*args, **kwargs)
             set_state(gen, get_state(real))
         rs.learn(index, get_state(gen))

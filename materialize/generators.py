@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from deferinit.errors import MaterializationError
 from deferinit.plan import DeviceMap
-from deferinit.rng import generator_of, get_state, same_state, set_state
+from deferinit.record import FOREIGN
+from deferinit.rng import generator_of, get_state, same_state
 from deferinit.streams import replay_streams
 
 from .replay import Replay
@@ -70,7 +71,7 @@ def hand_over_generators(streams, device=None, records=()) -> None:
                 left.append(start)
         now = get_state(gen)
         if any(same_state(now, state) for state in left):
-            set_state(gen, end)
+            FOREIGN.set_state(gen, end)  # not a threads' recording's own reseed
 
 
 def _finish(rs, device):

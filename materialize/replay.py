@@ -26,22 +26,19 @@ from deferinit.plan import Plan, real_read, read_of
 from fake.device import exists
 from fake.bypass import no_python_dispatch
 from fake.flat import flatten_output, unflatten
-from fake.opinfo import op_info
 from fake.tensor import describe
 
-from .autograd import view_again
+from .autograd import real_root
+from .gradcalls import GradCalls
 from .draws import Draws
 from .modes import check_sources, run_marked, scratch_for
 
 __all__ = ["Replay", "read_of"]
 
-_alias = torch.ops.aten.alias.default
 _detach = torch.ops.aten.detach.default
-_get_creation_meta = torch._C._autograd._get_creation_meta
-_set_creation_meta = torch._C._autograd._set_creation_meta
 
 
-class Replay(Plan):
+class Replay(GradCalls, Plan):
     """One replay: the closure of some reads, executed in recorded order.
 
     Example (what ``materialize_tensor`` does, minus the swap)::
@@ -60,6 +57,8 @@ class Replay(Plan):
                 "Keep it deferred (it already reports shape, dtype and device), or use fake.meta_like."
             )
         self.inference = inference
+        # Targets taken again from real memory with their autograd relation.
+        self.retaken: set = set()
         # autograd(leaf, tensor, input) -> the leaf object to compute on, for
         # the inputs of nodes autograd recorded (see materialize/autograd.py).
         self.autograd = autograd
@@ -119,7 +118,10 @@ class Replay(Plan):
         total = len(self.order)
         self._uses = uses
         with Draws(self.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
+            binder = self.autograd
             for done, node in enumerate(self.order):
+                if binder is not None:
+                    binder.advance(node.seq)
                 try:
                     self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard, draws)
                 except Exception as e:
@@ -133,9 +135,16 @@ class Replay(Plan):
                             env.pop(key, None)
                 if self.progress is not None:
                     self.progress(done + 1, total)
+            if binder is not None:
+                binder.advance(float("inf"))
             results = [self._resolve(inp, env, real_views) for inp in self.targets]
             for i in getattr(self.autograd, "views_again", ()):
-                results[i] = self._view_again(self.targets[i], env, real_views, results[i])
+                again = self._view_again(self.targets[i], env, real_views, results[i], binder.targets[i])
+                if again is not results[i]:
+                    if real_root(self.targets[i].value) is not None:
+                        # Taken from the real leaf it is a view of.
+                        self.retaken.add(i)
+                    results[i] = again
         return results
 
     def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
@@ -154,6 +163,7 @@ class Replay(Plan):
                     "values cannot be reproduced. Keep it unchanged until materialization, or "
                     "pass a clone to the constructor."
                 )
+            t = recorded_memory(node)
             mapped = self.device_map(t.device)
             env[(node, 0)] = t if mapped == t.device else t.to(mapped)
             return
@@ -167,10 +177,18 @@ class Replay(Plan):
         for i, x in enumerate(node.flat):
             if type(x) is Input:
                 t = scratch_for(x, device_map) if i in scratch else self._resolve(x, env, real_views)
-                if node.reshapes and first_input:
+                if node.reshapes and first_input and not node.data_swap:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
                     t = self._alias(node, t, len(args))
+                elif i in node.plain_writes and node.grad is None and t.requires_grad:
+                    # Eagerly written through an alias that requires no grad
+                    # (resize_ refuses a tensor that does, even under no_grad).
+                    t = _detach(t)
+                if i in node.data_writes and self.autograd is not None:
+                    # Eagerly through t.data, whose version counter is its own:
+                    # the views of t keep their grad_fn.
+                    t = t.data
                 first_input = False
                 args.append(t)
             elif isinstance(x, torch.device):
@@ -180,8 +198,10 @@ class Replay(Plan):
         a, k = unflatten(args, node.spec)
 
         dtype_guard.set(node.default_dtype)
-        if node.grad is not None and self.autograd is not None:
-            out = self._run_with_grad(node, args, draws)
+        if node.data_swap:
+            out = self._swap_data(node, args, env)
+        elif node.grad is not None and self.autograd is not None:
+            out = self._run_with_grad(node, args, draws, env, real_views)
         else:
             out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 
@@ -189,88 +209,6 @@ class Replay(Plan):
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
-
-    def _alias(self, node: Node, t: torch.Tensor, pos: int) -> torch.Tensor:
-        if self.autograd is None:
-            return _alias(t)
-        # Under autograd the tensor must be what it was eagerly: the very
-        # tensor when it has a graph or is a view (its grad_fn is kept, or
-        # regenerated from the view after the in-place op), else a tensor
-        # of its own.
-        plain = node.grad is not None and any(p == pos and leaf is None for p, leaf in node.grad)
-        key = node.flat[pos].value.key
-        alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
-        if alone and ((t.requires_grad and not plain) or (node.grad is not None and t._is_view())):
-            return t
-        if node.grad is not None or not (t.requires_grad or t._is_view()):
-            # No autograd view where eagerly the tensor is none: an alias
-            # taken under no_grad would refuse a later in-place op under grad
-            # mode (``p.data.copy_(p)`` after ``p.t_()``), eagerly allowed.
-            return _detach(t)
-        out = _alias(t)
-        if t._is_view():
-            # The view it is eagerly, taken in the grad mode it was taken in.
-            _set_creation_meta(out, _get_creation_meta(t))
-        return out
-
-    def _run_with_grad(self, node: Node, args: list, draws=None):
-        bound = set()
-        for pos, leaf in node.grad:
-            bound.add(pos)
-            if leaf is None:
-                if args[pos].requires_grad:
-                    # What t.data gives: no graph, a version counter of its own.
-                    args[pos] = args[pos].data
-            else:
-                args[pos] = self.autograd(leaf, args[pos], node.flat[pos])
-        if not node.no_grad:
-            for pos, x in enumerate(node.flat):
-                if pos not in bound and type(x) is Input and args[pos].requires_grad:
-                    # Autograd reads its grad_fn here, eagerly without error.
-                    args[pos] = view_again(args[pos])
-        a, k = unflatten(args, node.spec)
-        with torch.set_grad_enabled(not node.no_grad):
-            return draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
-
-    def _view_again(self, inp: Input, env, real_views, real: torch.Tensor) -> torch.Tensor:
-        """A target that is a view of memory already real, and belongs to an
-        autograd graph: its view node (or the ``set_`` that made it share that
-        memory) runs again on the real leaf objects."""
-        if not real_read(inp) or not _aliases_with_grad(inp.value.node):
-            return real
-        outs = self._run_again(inp.value.node, env, real_views)
-        return real if outs is None else outs[inp.value.index]
-
-    def _run_again(self, node: Node, env, real_views) -> list | None:
-        """The outputs of ``node`` run again with grad, or None where an input is gone."""
-        is_set = op_info(node.target).opname == "set_"
-        bound = {pos for pos, leaf in node.grad if leaf is not None}
-        plain = {pos for pos, leaf in node.grad if leaf is None}
-        args = []
-        for pos, x in enumerate(node.flat):
-            if type(x) is Input:
-                storage = x.value.storage
-                if storage is not None and storage.real is not None:
-                    # A view depends on the geometry, not on the version read.
-                    x = Input(x.value, storage.real_head)
-                    if pos not in bound and _aliases_with_grad(x.value.node):
-                        # A view of real memory read with its autograd
-                        # relation (a view of a parameter taken under no_grad).
-                        outs = self._run_again(x.value.node, env, real_views)
-                        if outs is not None:
-                            args.append(outs[x.value.index])
-                            continue
-                elif is_set and pos in plain and pos in node.writes:
-                    # What set_ replaces: its values never matter, and no
-                    # graph reaches it; a tensor of its own stands in.
-                    args.append(torch.empty(0, dtype=x.value.dtype, device=self.device_map(x.value.device)))
-                    continue
-                elif x.value.key not in env:
-                    return None
-                x = self._resolve(x, env, real_views)
-            args.append(x)
-        out = self._run_with_grad(node, args)
-        return [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
 
     def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
         value = inp.value
@@ -302,14 +240,6 @@ class Replay(Plan):
             f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "
             f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
         )
-
-
-def _aliases_with_grad(node: Node) -> bool:
-    """A view, or a ``set_`` from a tensor, that autograd saw eagerly."""
-    if node.kind != "op" or node.grad is None or node.rng is not None:
-        return False
-    info = op_info(node.target)
-    return info.view_arg is not None or info.opname == "set_"
 
 
 @contextlib.contextmanager
@@ -346,3 +276,29 @@ def _default_dtype_guard():
     finally:
         if guard.current is not guard.original:
             torch.set_default_dtype(guard.original)
+
+
+def recorded_memory(node: Node) -> torch.Tensor:
+    """An external node's tensor as it was recorded: the tensor itself (autograd
+    links to it), or, if ``t.data = other`` gave it other memory since, a
+    tensor on the memory it had then (which eager read at that point).
+
+    Example::
+
+        >>> w = torch.ones(2)
+        >>> m = deferred_init(lambda: torch.nn.Parameter(w * 2))
+        >>> w.data = torch.zeros(2)
+        >>> materialize_tensor(m).tolist()
+        [2.0, 2.0]
+    """
+    t = node.payload
+    if node.memory is None:
+        return t
+    storage, dtype, offset, shape, stride, conj, neg = node.memory
+    now = (t.untyped_storage()._cdata, t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.is_conj(), t.is_neg())
+    if now == (storage._cdata, dtype, offset, shape, stride, conj, neg):
+        return t
+    with no_python_dispatch(), torch.no_grad():
+        out = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
+        out = out.conj() if conj else out
+        return torch._neg_view(out) if neg else out

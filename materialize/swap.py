@@ -20,7 +20,8 @@ from fake.tensor import INTERNAL_ATTRS
 from .autograd import grad_fn_of, is_grad_view
 
 
-def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.Tensor | None = None) -> torch.Tensor:
+def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.Tensor | None = None,
+          retaken: bool = False) -> torch.Tensor:
     """A new tensor object on ``real``'s memory that looks like ``fake`` did.
 
     Eager's facts, as the fake holds them: an inference tensor (made under
@@ -30,6 +31,9 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     ``nn.Parameter`` built in inference mode requires grad); a tensor that
     is not a leaf keeps the graph replay gave it (``real`` itself); a leaf
     is a new object, or ``made``, the one replay already computed on.
+    A view ``retaken`` from a real base (materialized before) is ``real``
+    itself: it requires grad as that base now does, as eagerly (the fake's
+    own flags are stale once its base is real).
     """
     d = fake.__dict__
     floating = real.is_floating_point() or real.is_complex()
@@ -50,6 +54,10 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             obj = _leaf(cls, real, requires_grad)
     elif made is not None:
         obj = made
+        if cls is not None and type(obj) is not cls:
+            obj.__class__ = cls  # made as the base of views (materialize.autograd.Binder)
+    elif retaken and real._is_view():
+        obj = real
     elif is_grad_view(fake) and not (real.requires_grad and real._is_view()):
         # A view taken under no_grad that replay could not take again from
         # its base: a leaf that requires grad, as before its base was known.

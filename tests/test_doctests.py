@@ -20,6 +20,7 @@ MODULES = [
     "fake.reads",
     "fake.compiling",
     "fake.checks",
+    "deferinit.binding",
     "fake.errors",
     "fake.storage",
     "fake.constants",
@@ -33,6 +34,7 @@ MODULES = [
     "deferinit.holdings",
     "deferinit.regions",
     "deferinit.effects",
+    "deferinit.plain",
     "deferinit.liveness",
     "deferinit.text",
     "deferinit.cli.step",
@@ -43,6 +45,8 @@ MODULES = [
     "materialize",
     "materialize.api",
     "materialize.autograd",
+    "materialize.gradcalls",
+    "materialize.graphcheck",
     "materialize.checkpoint",
     "materialize.checkpoint.api",
     "materialize.checkpoint.capture",
@@ -59,6 +63,7 @@ MODULES = [
     "materialize.checkpoint.torch_legacy",
     "materialize.checkpoint.nested",
     "materialize.checkpoint.files",
+    "materialize.checkpoint.undo",
 ]
 
 

@@ -233,6 +233,25 @@ def test_inference_tensor_fix_clone_outside_inference_mode():
     assert torch.equal(m.scaled, torch.full((3,), 2.0))
 
 
+def test_outside_tensor_subclass_with_its_own_dispatch():
+    """Replay runs kernels on plain memory; a wrapper subclass's memory is empty
+    (reading it crashed the process at materialization)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from deferinit import RecordingError
+
+    table = TwoTensor(torch.ones(3), torch.ones(3))
+    with pytest.raises(RecordingError) as info:
+        deferred_init(UsesOutside, table)
+    message = str(info.value)
+    assert "aten.mul" in message and "TwoTensor" in message and "UsesOutside" in message
+    assert "__torch_dispatch__" in message and ".copy_(t)" in message
+    # The fix: a plain tensor of its values (TwoTensor's copy_ writes its second part last).
+    m = deferred_init(UsesOutside, torch.empty(3).copy_(table))
+    materialize_module(m)
+    assert torch.equal(m.scaled, torch.full((3,), 2.0))
+
+
 # -- 5. fakes from fake_mode mixed into deferred_init -------------------------
 
 

@@ -6,7 +6,7 @@
 reads straight into a tensor), ``capture.py`` (the module's own
 ``load_state_dict`` run on stand-ins), ``matching.py`` (keys, and what to
 say when they do not fit), ``loading.py`` (load nodes on deferred tensors,
-staged copies into real ones).
+staged copies into real ones), ``undo.py`` (what a failed call puts back).
 
 Example::
 

@@ -8,10 +8,11 @@ from collections.abc import Mapping
 
 from deferinit.errors import CheckpointError
 
-from .capture import Capture, ModuleState, StandIns, Targets, leaked, walk
+from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
 from .matching import LoadResult, map_keys, map_metadata, result_of
 from .sources import open_source
+from .undo import ModuleState
 
 
 def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, prefix: str = "", rename=None) -> LoadResult:
@@ -75,7 +76,7 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
                 "was loaded or recorded."
             )
         result = result_of(
-            module, missing, unexpected, errors, loader.loaded, strict=strict, source=what, mapped=mapped, prefix=prefix
+            module, missing, unexpected, errors, strict=strict, source=what, mapped=mapped, prefix=prefix, keys=list(entries)
         )
         loader.finish()
     except BaseException:

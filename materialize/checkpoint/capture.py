@@ -19,7 +19,11 @@ walk, in this thread only:
 * any other operation on a stand-in computes on its values: they are read
   then, and a write into a stand-in makes it real from there on;
 * an operation touching a module tensor whose load is pending runs that
-  load first, so a hook reads the values it would read eagerly.
+  load first, so a hook reads the values it would read eagerly;
+* any other in-place write into a module tensor (a hook's
+  ``param[:3].copy_(x)``, ``fill_``) runs, the tensor's state kept first so
+  that a failed call puts it back; a write into a tensor a load was copied
+  from makes that load read it first (eager's ``copy_`` read it then).
 
 Example::
 
@@ -40,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from deferinit.errors import CheckpointError
+from deferinit.plain import plain
 from deferinit.recorder import is_deferred_fake
 from fake import is_fake
 from fake.bypass import no_python_dispatch
@@ -69,7 +74,13 @@ def storage_key(t):
         return None
 
 
-def _geometry(t) -> tuple:
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (without importing torch.distributed)."""
+    return getattr(t, "_local_tensor", None) is not None and hasattr(t, "device_mesh")
+
+
+def geometry(t) -> tuple:
+    """What a view's identity is made of besides its memory."""
     return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
 
 
@@ -112,6 +123,11 @@ class StandIns:
             t = base.as_strided(entry.shape, entry.strides, entry.offset)
         self._roots[storage_key(base)] = _Root(entry, base)
         return t
+
+    @property
+    def files(self) -> bool:
+        """Whether any stand-in is a file's tensor (a meta tensor)."""
+        return bool(self._roots)
 
     def root(self, t):
         if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and t.is_meta:
@@ -172,14 +188,24 @@ class Targets:
                     self._by_storage.setdefault(key, []).append(t)
 
     def find(self, t):
+        """The module tensor ``t`` is (itself, or another object on its memory with its geometry)."""
         found = self._by_id.get(id(t))
         if found is not None:
             return found
         key = storage_key(t)
         for candidate in self._by_storage.get(key, ()) if key is not None else ():
-            if not torch.nn.parameter.is_lazy(candidate) and _geometry(candidate) == _geometry(t):
+            if not torch.nn.parameter.is_lazy(candidate) and geometry(candidate) == geometry(t):
                 return candidate
         return None
+
+    def owners(self, t) -> list:
+        """The module tensors on the memory ``t`` is on (``t`` itself, its views, or
+        every tensor packed in the same memory)."""
+        key = storage_key(t._local_tensor if is_dtensor(t) else t)
+        found = list(self._by_storage.get(key, ())) if key is not None else []
+        if not found and id(t) in self._by_id:
+            found.append(self._by_id[id(t)])
+        return found
 
 
 class Capture(TorchDispatchMode):
@@ -211,10 +237,12 @@ class Capture(TorchDispatchMode):
         leaves = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         for x in leaves:
             self._flush(x)
+        info = op_info(func)
+        if info.writes:
+            self._before_writes(info.written(args, kwargs))
         standing = [x for x in leaves if self.standins.owns(x)]
         if not standing:
             return func(*args, **kwargs)
-        info = op_info(func)
         if info.view_arg is not None and not info.writes:
             with no_python_dispatch():
                 return func(*args, **kwargs)
@@ -230,6 +258,20 @@ class Capture(TorchDispatchMode):
         except CheckpointError as e:
             self.refused.append(e)
             raise
+
+    def _before_writes(self, written) -> None:
+        """Before an in-place write that is not a load: keep the old state of the
+        module tensors it writes, and let loads copied from its memory read it."""
+        for w in written:
+            if self.standins.owns(w):
+                continue  # a stand-in becomes real memory of its own (_compute)
+            try:
+                self.loader.source_written(w)
+            except CheckpointError as e:
+                self.refused.append(e)
+                raise
+            for target in self.targets.owners(w):
+                self.loader.guard(target)
 
     def _load(self, target, src) -> None:
         name = self.targets.names[id(target)]
@@ -250,7 +292,7 @@ class Capture(TorchDispatchMode):
             raise CheckpointError(f"cannot load {name}: its value is a fake tensor from fake_mode, whose values are unknown.")
         if src.is_meta:
             raise CheckpointError(f"cannot load {name}: its value is on the meta device, which holds no values.")
-        return MemorySource.entry(name, src)
+        return MemorySource.entry(name, plain(src))
 
     def _compute(self, func, info, args, kwargs, standing):
         written = {id(w) for w in info.written(args, kwargs)}
@@ -264,7 +306,7 @@ class Capture(TorchDispatchMode):
         back = {id(swap[id(x)]): x for x in standing}
         for x in standing:
             r = swap[id(x)]
-            if id(x) in written and _geometry(r)[1:] != _geometry(x)[1:]:
+            if id(x) in written and geometry(r)[1:] != geometry(x)[1:]:
                 with no_python_dispatch():  # t_(), squeeze_(): the stand-in follows
                     x.as_strided_(r.shape, r.stride(), r.storage_offset())
         return tree_map(lambda y: back.get(id(y), y) if isinstance(y, torch.Tensor) else y, out)
@@ -280,59 +322,34 @@ def walk(module: torch.nn.Module, state_dict: dict, metadata, capture: Capture):
     try:
         with capture:
             result = module.load_state_dict(sd, strict=False)
-    except RuntimeError as e:
+    except Exception as e:
         if capture.refused:
             raise capture.refused[0] from None
         text = str(e)
-        if not text.startswith(_ERRORS):
-            raise
-        return [], [], text.split("\n\t")[1:]
+        if isinstance(e, RuntimeError) and text.startswith(_ERRORS):
+            return [], [], text.split("\n\t")[1:]
+        if capture.standins.files and not isinstance(e, CheckpointError):
+            e.add_note(
+                f"load_checkpoint ran {type(module).__name__}.load_state_dict with a file's tensors standing in "
+                "as meta tensors (nothing read yet): code that needs their values outside PyTorch's operators "
+                "(.numpy(), .data_ptr()) or checks their device fails on them. Pass the file's state dict "
+                "instead: load_checkpoint(module, safetensors.torch.load_file(path)). Nothing was loaded."
+            )
+        raise
     if capture.refused:
         raise capture.refused[0]
     return list(result.missing_keys), list(result.unexpected_keys), []
 
 
-class ModuleState:
-    """What the walk may change besides values, put back when the call fails: the
-    parameter and buffer slots of every module, and lazy placeholders, which the
-    lazy modules' pre-hook turns into tensors of the checkpoint's shapes.
-
-    Example::
-
-        >>> m = torch.nn.LazyLinear(2)
-        >>> state = ModuleState(m)
-        >>> m.weight.materialize((2, 3))
-        >>> state.restore()
-        >>> type(m.weight).__name__
-        'UninitializedParameter'
-    """
-
-    def __init__(self, module: torch.nn.Module):
-        self.slots = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
-        self.lazy = []
-        for _, params, buffers in self.slots:
-            for t in itertools.chain(params.values(), buffers.values()):
-                if t is not None and torch.nn.parameter.is_lazy(t):
-                    self.lazy.append((t, type(t), t.data, dict(t.__dict__)))
-
-    def restore(self) -> None:
-        for t, cls, data, attrs in self.lazy:
-            if type(t) is not cls:
-                t.data = data
-                t.__class__ = cls
-                t.__dict__.clear()
-                t.__dict__.update(attrs)
-        for m, params, buffers in self.slots:
-            for slots, saved in ((m._parameters, params), (m._buffers, buffers)):
-                if slots.keys() != saved.keys() or any(slots[k] is not v for k, v in saved.items()):
-                    slots.clear()
-                    slots.update(saved)
-
-
 def leaked(module: torch.nn.Module, standins: StandIns) -> str | None:
-    """The name of a module tensor that is a stand-in itself (a hook assigned the
-    checkpoint's tensor instead of copying it), if any."""
+    """The name of a module tensor or tensor attribute that is a stand-in itself
+    (a hook kept the checkpoint's tensor instead of copying it), if any."""
     for name, t in itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
         if t is not None and standins.owns(t):
             return name
+    if standins.files:
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            for attr, value in vars(sub).items():
+                if isinstance(value, torch.Tensor) and standins.owns(value):
+                    return f"{prefix}.{attr}" if prefix else attr
     return None

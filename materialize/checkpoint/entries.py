@@ -167,19 +167,29 @@ class MemorySource:
 
     def view(self, entry) -> torch.Tensor:
         """The elements of ``entry``, as a tensor on this memory."""
+        return self._on_memory(entry.offset, entry.shape, entry.strides)
+
+    def _on_memory(self, offset, sizes, strides) -> torch.Tensor:
         t = self.tensor
         with torch.no_grad():
-            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                self._memory(), entry.offset, tuple(entry.shape), tuple(entry.strides)
-            )
+            out = torch.empty(0, dtype=t.dtype, device=t.device).set_(self._memory(), offset, tuple(sizes), tuple(strides))
+            # A lazy conjugate or negative view (x.conj()) reads as its values, as copy_ reads it.
+            if t.is_conj():
+                out = out.conj()
+            if t.is_neg():
+                out = torch._neg_view(out)
+            return out
 
     def _memory(self):
         return self.storage if self.storage is not None else self.tensor.untyped_storage()
 
+    def memory_key(self) -> tuple:
+        """What identifies the memory read, as :func:`~.capture.storage_key` does."""
+        return (self.tensor.device.type, self._memory()._cdata)
+
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> None:
-        t = self.tensor
+        src = self._on_memory(offset, sizes, strides)
         with torch.no_grad():
-            src = torch.empty(0, dtype=t.dtype, device=t.device).set_(self._memory(), offset, tuple(sizes), tuple(strides))
             dst.copy_(src if via is None else src.to(via))
 
     def check(self, entry) -> None:

@@ -13,8 +13,13 @@ the tensor only once every read of the call succeeded.
 A :class:`Loader` holds the loads of one call, in the order
 ``load_state_dict``'s walk makes them (:mod:`.capture`): deferred ones are
 recorded at once, real ones wait until the walk ends or until something
-touches their tensor.  :meth:`Loader.undo` takes all of them back: a call
-that fails leaves every tensor as it was.
+touches their tensor.  A hook's other writes into the module's tensors
+(``param[:3].copy_(x)``, ``fill_``) run as they come, each tensor's old
+state kept first (a :class:`Guard`).  :meth:`Loader.undo` takes all of them
+back: a call that fails leaves every tensor as it was.  A load copied from a
+tensor in memory reads it as it is at the ``copy_``, as eager's ``copy_``
+does, even if the walk writes into that tensor afterwards
+(:meth:`Loader.source_written`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from fake import is_fake
 from fake.flat import flatten
 
-from .capture import storage_key
+from .capture import is_dtensor, storage_key
 from .entries import MemorySource, read_now
 from .sources import DeferredValue
+from .undo import Guard, keep, put_back
 
 _SPEC = flatten((None,), {})[1]
 _BOXES = ("Shard", "Replicate")
@@ -60,10 +66,6 @@ _INFERENCE = (
     "tensor outside InferenceMode is not allowed\"). Call load_checkpoint inside "
     "torch.inference_mode(), or build the module outside it. Nothing was loaded or recorded."
 )
-
-
-def _is_dtensor(t) -> bool:
-    return getattr(t, "_local_tensor", None) is not None and hasattr(t, "device_mesh")
 
 
 def local_block(key: str, tensor) -> tuple[tuple, tuple]:
@@ -102,7 +104,7 @@ class Load:
         self.tensor = tensor
         target = tensor
         start = None
-        if _is_dtensor(tensor):
+        if is_dtensor(tensor):
             target = tensor._local_tensor
             start, sizes = local_block(key, tensor)
             if not isinstance(entry.source, DeferredValue):
@@ -144,6 +146,7 @@ class Load:
         self.staged = None
         self.backup = None
         self.head = None
+        self.node = None
 
     # -- deferred ------------------------------------------------------------------
 
@@ -159,7 +162,14 @@ class Load:
             with torch.no_grad():
                 self.target.copy_(piece)
         else:
-            record_load(self.target, self.entry)
+            self.node = record_load(self.target, self.entry)
+
+    def snapshot(self) -> None:
+        """Read the values now: the walk is about to write where they are."""
+        values = self.entry.source.view(self.entry).clone()
+        self.entry = MemorySource.entry(self.entry.key, values)
+        if self.node is not None:
+            self.node.payload = self.entry
 
     # -- real ------------------------------------------------------------------------
 
@@ -181,9 +191,9 @@ class Load:
         target = self.target
         counted = not target.is_inference()
         before = target._version if counted else None
+        if keep_old:
+            self.backup = keep(target)
         with torch.no_grad():
-            if keep_old:
-                self.backup = target.detach().clone()
             if self.staged is not None:
                 target.copy_(self.staged)
                 self.staged = None
@@ -195,12 +205,7 @@ class Load:
             torch._C._increment_version((target,))
 
     def undo(self) -> None:
-        if self.head is not None:
-            storage, head = self.head
-            storage.head = head
-        elif self.backup is not None:
-            with torch.no_grad():
-                self.target.copy_(self.backup)
+        put_back(self.head, self.backup)
         self.staged = self.backup = self.head = None
 
 
@@ -212,15 +217,25 @@ class Loader:
     def __init__(self):
         self.pending: dict = {}
         self.done: list = []
+        self._guarded: set = set()
+        # Loads copied from tensors in memory, by the memory they read (see
+        # source_written): real ones still pending, deferred ones kept by reference.
+        self._readers: dict = {}
 
     def add(self, key: str, tensor: torch.Tensor, entry) -> None:
         load = Load(key, tensor, entry)
+        if isinstance(load.entry.source, MemorySource):
+            self._readers.setdefault(load.entry.source.memory_key(), []).append(load)
         if load.deferred:
             load.record()
             self.done.append(load)
             return
+        self.pending.setdefault(self._group(load), []).append(load)
+
+    @staticmethod
+    def _group(load) -> tuple:
         skey = storage_key(load.target)
-        self.pending.setdefault(skey if skey is not None else ("object", id(load.target)), []).append(load)
+        return skey if skey is not None else ("object", id(load.target))
 
     def flush(self, t) -> None:
         """Write the pending loads of ``t``'s memory now (the walk reads it)."""
@@ -228,12 +243,43 @@ class Loader:
             return
         key = storage_key(t)
         loads = self.pending.pop(key, None) if key is not None else None
-        if loads is None and _is_dtensor(t):
+        if loads is None and is_dtensor(t):
             loads = self.pending.pop(storage_key(t._local_tensor), None)
-        for load in loads or ():
+        self._write_now(loads or ())
+
+    def _write_now(self, loads) -> None:
+        for load in loads:
             load.stage()
+            self._snapshot_readers(storage_key(load.target))
             load.commit(keep_old=True)
             self.done.append(load)
+
+    def _snapshot_readers(self, key) -> None:
+        """The deferred loads that read the memory ``key`` names, read now: it is
+        about to be written (they were copied before, and read it as it was)."""
+        readers = self._readers.get(key)
+        if readers:
+            for load in [load for load in readers if load.deferred]:
+                load.snapshot()  # from now on it reads a copy of its own
+                readers.remove(load)
+
+    def guard(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (one of the module's) is about to be written in place by the
+        walk, not by a load: keep what it holds for :meth:`undo` (once a call)."""
+        if id(tensor) not in self._guarded:
+            self._guarded.add(id(tensor))
+            self.done.append(Guard(tensor))
+
+    def source_written(self, t) -> None:
+        """``t``'s memory is about to be written in place: the loads copied from it
+        read it now, as eager's ``copy_`` read it at its call."""
+        key = storage_key(t)
+        if key is None or not self._readers.get(key):
+            return
+        for load in [load for load in self._readers[key] if not load.deferred]:
+            if load in self.pending.get(self._group(load), ()):  # not written yet
+                self._write_now(self.pending.pop(self._group(load)))
+        self._snapshot_readers(key)
 
     def finish(self) -> None:
         """Stage every pending load, then write them all: no write before every read succeeded."""
@@ -244,6 +290,7 @@ class Loader:
         for load in loads:
             load.stage()
         for load in loads:
+            self._snapshot_readers(storage_key(load.target))
             load.commit()
         self.pending.clear()
         self.done.extend(loads)
@@ -253,7 +300,4 @@ class Loader:
             load.undo()
         self.done.clear()
         self.pending.clear()
-
-    @property
-    def loaded(self) -> set:
-        return {id(load.tensor) for load in self.done} | {id(load.tensor) for g in self.pending.values() for load in g}
+        self._readers.clear()

@@ -114,12 +114,12 @@ def map_metadata(metadata, *, prefix: str = "", rename=None):
     return out
 
 
-def result_of(module, missing, unexpected, errors, loaded: set, *, strict: bool, source: str, mapped, prefix: str = "") -> LoadResult:
+def result_of(module, missing, unexpected, errors, *, strict: bool, source: str, mapped, prefix: str = "", keys=()) -> LoadResult:
     """The call's :class:`LoadResult`, or :class:`CheckpointMismatchError` for
-    ``errors`` (size mismatches...), or missing/unexpected keys when ``strict``."""
+    ``errors`` (size mismatches...), or missing/unexpected keys when ``strict``
+    (``keys``: the checkpoint's keys before ``prefix``, for the hint)."""
     tensors = dict(module_keys(module))
-    # A tied tensor loaded under another of its names is not missing.
-    missing = [k for k in missing if k not in tensors or id(tensors[k]) not in loaded]
+    missing = forgive_ties(missing, tensors)
     problems = []
     if errors:
         problems.append(shorten(errors, "; "))
@@ -129,6 +129,11 @@ def result_of(module, missing, unexpected, errors, loaded: set, *, strict: bool,
         problems.append(f"{_count(unexpected, 'unexpected key')}: " + shorten([repr(k) for k in unexpected]))
     if problems:
         hint = prefix_hint(missing, unexpected, set(tensors), set(mapped), prefix)
+        if prefix and not mapped and keys:
+            # The prefix took every key away: what would the keys themselves need?
+            hint = f" prefix={prefix!r} matches none of the checkpoint's {len(keys)} keys." + (
+                prefix_hint(missing, list(keys), set(tensors), set(keys)) or f" Its keys: {shorten([repr(k) for k in keys], shown=3)}."
+            )
         if not hint and not errors:
             hint = " Pass strict=False to load the keys that match, or prefix=/rename= to map names."
         raise CheckpointMismatchError(
@@ -136,6 +141,23 @@ def result_of(module, missing, unexpected, errors, loaded: set, *, strict: bool,
             + "; ".join(problems) + f". Nothing was loaded or recorded.{hint}"
         )
     return LoadResult(missing, unexpected)
+
+
+def forgive_ties(missing, tensors: dict) -> list:
+    """``missing`` without the names of tied tensors the checkpoint has under
+    another of their names (``tensors``: module key -> tensor).
+
+    Example::
+
+        >>> w = torch.ones(2)
+        >>> forgive_ties(["head.weight", "norm.weight"], {"wte.weight": w, "head.weight": w, "norm.weight": torch.ones(2)})
+        ['norm.weight']
+    """
+    absent = set(missing)
+    names: dict = {}
+    for key, t in tensors.items():
+        names.setdefault(id(t), []).append(key)
+    return [k for k in missing if k not in tensors or all(n in absent for n in names[id(tensors[k])])]
 
 
 def _count(keys, what: str) -> str:

@@ -120,3 +120,16 @@ def test_keys_without_a_common_prefix_get_no_hint(causal_lm_dir):
     with pytest.raises(CheckpointMismatchError) as info:
         load_checkpoint(m, causal)
     assert "in front" not in str(info.value) and "strict=False" in str(info.value)
+
+
+def test_a_prefix_that_matches_no_key_says_so_and_names_the_right_one(causal_lm_dir):
+    causal, _ = causal_lm_dir
+    m = deferred_init(transformers.LlamaModel, llama_config())
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_checkpoint(m, causal, prefix="transformer.")
+    message = str(info.value)
+    assert "prefix='transformer.' matches none of the checkpoint's" in message
+    assert "pass prefix='model.'" in message and len(message) < 1000
+    m = deferred_init(lambda: torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(CheckpointMismatchError, match="matches none.*Its keys: 'lm_head.weight', 'model.embed_tokens.weight'"):
+        load_checkpoint(m, causal, prefix="transformer.")

@@ -254,3 +254,62 @@ def test_the_real_generator_objects_outside_recording():
     assert other["C"] is REAL and other["random"] is REAL
     assert torch._C.default_generator is REAL and torch.random.default_generator is REAL
     assert type(torch._C) is type(threading) and type(torch.random) is type(threading)
+
+
+# -- deferinit's own writes of a generator, seen from a thread recording meanwhile -------
+
+
+class SeedsInside(nn.Module):
+    """Seeds inside its constructor: the deferral leaves the generator seeded so."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.a = nn.Linear(3, 3)
+
+
+class CudaSeedInside(nn.Module):
+    """Recorded for CUDA with a CUDA seed: materialized on CPU, the CPU generator
+    draws it, and the hand-over leaves the CPU generator with that seed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.cuda.manual_seed(7)
+        self.a = nn.Linear(3, 3, device="cuda")
+
+
+def _close_a_seeding_deferral():
+    deferred_init(SeedsInside)
+
+
+def _hand_over_a_new_seed():
+    d = deferred_init(CudaSeedInside)
+    seed = torch.initial_seed()
+    materialize_module(d, device="cpu")
+    assert torch.initial_seed() == 7 != seed  # the hand-over changed the seed
+
+
+@pytest.mark.parametrize("meanwhile", [_close_a_seeding_deferral, _hand_over_a_new_seed], ids=["closing", "hand-over"])
+def test_another_threads_deferral_setting_the_generator_is_not_this_threads(meanwhile):
+    """Another thread's deferral ending (it leaves the generator seeded as its
+    constructor did) or a materialization handing the generator over, while
+    this thread records: what deferinit itself writes into the generator is
+    not this thread's reseed, and the record equals eager construction."""
+    started, go_on = threading.Event(), threading.Event()
+    torch.manual_seed(3)
+    box = {}
+    recorder = threading.Thread(target=lambda: box.update(m=deferred_init(StateThenTwo, started, go_on)), daemon=True)
+    recorder.start()
+    assert started.wait(60)
+    try:
+        meanwhile()
+    finally:
+        go_on.set()
+        recorder.join(60)
+    assert not recorder.is_alive()
+    d = box["m"]
+    materialize_module(d)
+    torch.set_rng_state(d.start.clone())
+    ready = threading.Event()
+    ready.set()
+    assert_same_tensors(StateThenTwo(threading.Event(), ready), d)

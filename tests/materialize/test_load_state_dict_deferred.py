@@ -157,3 +157,74 @@ def test_assign_true_keeps_working():
     # Every draw went into a tensor the state dict replaced: none is replayed,
     # the generator stays where deferral left it (as after a full load).
     assert torch.equal(torch.rand(8), untouched_next())
+
+
+def test_a_state_dict_tensor_given_other_memory_afterwards_changes_nothing():
+    """``sd[k].data = other`` after ``model.load_state_dict(sd)``: eager copied the
+    old values at the call; the recorded copy reads the memory it was given."""
+    sd = checkpoint_of(MLP)
+    eager, _ = reference(MLP, sd)
+    torch.manual_seed(0)
+    m = deferred_init(MLP)
+    m.load_state_dict(sd)
+    for t in sd.values():
+        t.data = torch.zeros_like(t)
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+
+
+def test_an_outside_tensor_given_other_memory_after_deferral_changes_nothing():
+    class Scaled(nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = nn.Parameter(w * 2)
+
+    w = torch.arange(4.0)
+    eager = Scaled(w)
+    m = deferred_init(Scaled, w)
+    w.data = torch.zeros(4)
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+
+
+def test_a_state_dict_of_inference_tensors_is_read_at_the_call_as_eagerly():
+    """Eager copies them; they have no version counter to check later, so the
+    recorded copy reads them at the call (a later change in inference mode
+    changes nothing)."""
+    with torch.inference_mode():
+        sd = {k: v.clone() for k, v in checkpoint_of(MLP).items()}
+    eager, _ = reference(MLP, sd)
+    torch.manual_seed(0)
+    m = deferred_init(MLP)
+    m.load_state_dict(sd)
+    with torch.inference_mode():
+        for t in sd.values():
+            t.add_(1)
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+
+
+def test_a_state_dict_of_wrapper_subclass_tensors_loads_as_eagerly():
+    """A wrapper subclass's memory is empty: replay read it and the process died
+    (SIGSEGV). copy_ reads it through its dispatch at the call, as eagerly."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, torch.nn as nn\n"
+        "from torch.testing._internal.two_tensor import TwoTensor\n"
+        "from deferinit import deferred_init\n"
+        "from materialize import materialize_module\n"
+        "sd = {'weight': TwoTensor(torch.ones(3, 3), torch.full((3, 3), 2.0)), 'bias': torch.ones(3)}\n"
+        "eager = nn.Linear(3, 3)\n"
+        "eager.load_state_dict(sd)\n"
+        "m = deferred_init(nn.Linear, 3, 3)\n"
+        "m.load_state_dict(sd)\n"
+        "materialize_module(m)\n"
+        "assert type(m.weight) is nn.Parameter and torch.equal(m.weight.detach(), eager.weight.detach())\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:] or f"killed by signal {-proc.returncode}"
