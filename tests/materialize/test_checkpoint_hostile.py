@@ -453,3 +453,36 @@ def test_a_tensor_named_by_a_tuple_is_refused(tmp_path):
     torch.save({("0", "weight"): torch.ones(4, 3)}, path)
     assert ("0", "weight") in torch.load(path, weights_only=True)
     refused(path, "names a tensor or dict by a tuple, not a string or an integer")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_an_index_that_is_a_fifo_is_refused(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    index = str(folder / "model.safetensors.index.json")
+    os.mkfifo(index)
+    done = child(f"""
+        import torch
+        from deferinit import CheckpointError
+        from materialize import load_checkpoint
+        try:
+            load_checkpoint(torch.nn.Linear(2, 2), {str(folder)!r})
+        except CheckpointError as e:
+            print(e)
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"{index} is a FIFO, not a regular file" in done.stdout, done.stdout
+
+
+def test_an_index_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
+    from materialize.checkpoint import index as index_module
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    torch.save(state_dict(), folder / "a.bin")
+    weight_map = {k: "a.bin" for k in state_dict()}
+    with open(folder / "pytorch_model.bin.index.json", "w") as f:
+        json.dump({"weight_map": weight_map, "metadata": {"padding": "x" * 4096}}, f)
+    loads_as(str(folder), state_dict())  # transformers reads it; so do we under the limit
+    monkeypatch.setattr(index_module, "MAX_INDEX", 4096)
+    refused(str(folder), "has more than 4096 bytes")
