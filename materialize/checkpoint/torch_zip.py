@@ -29,6 +29,9 @@ _VERSIONS = range(1, 11)
 MAX_PICKLE = 64 << 20
 # The other records torch.load reads (version, byteorder...) hold a few bytes.
 MAX_SMALL_RECORD = 1 << 16
+# zipfile keeps about 600 bytes a member (miniz, in torch.load, about 50): a
+# directory of at most 64 MiB (half a million records) costs at most ~400 MiB.
+MAX_DIRECTORY = 64 << 20
 _LOWER = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _ENCRYPTED, _PATCHED, _STRONG, _MASKED = 0x1, 0x20, 0x40, 0x2000
@@ -59,9 +62,14 @@ class Archive:
         self.f = f
         self.size = size
         try:
+            end = zipfile._EndRecData(f)
+            if end and end[zipfile._ECD_SIZE] > MAX_DIRECTORY:
+                raise ArchiveError(
+                    f"its central directory has {end[zipfile._ECD_SIZE]} bytes (load_checkpoint reads at most "
+                    f"{MAX_DIRECTORY})"
+                )
             self.zip = zipfile.ZipFile(f)
             infos = self.zip.infolist()
-            end = zipfile._EndRecData(f)
         except ArchiveError:
             raise
         except Exception as e:  # noqa: BLE001 - zipfile raises many kinds on corrupt input

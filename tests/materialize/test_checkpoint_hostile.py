@@ -486,3 +486,22 @@ def test_an_index_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch)
     loads_as(str(folder), state_dict())  # transformers reads it; so do we under the limit
     monkeypatch.setattr(index_module, "MAX_INDEX", 4096)
     refused(str(folder), "has more than 4096 bytes")
+
+
+def test_a_central_directory_beyond_the_limit_is_refused_before_zipfile_reads_it(tmp_path, monkeypatch):
+    from materialize.checkpoint import torch_zip
+
+    path = str(tmp_path / "many.pt")
+    buffer = io.BytesIO()
+    torch.save(state_dict(), buffer)
+    src = zipfile.ZipFile(buffer)
+    # 20,000 empty members more: zipfile keeps a ZipInfo of each (~600 bytes, ~90 in the file)
+    with zipfile.ZipFile(path, "w") as out:
+        for name in src.namelist():
+            out.writestr(name, src.read(name))
+        prefix = src.namelist()[0].split("/")[0]
+        for i in range(20_000):
+            out.writestr(f"{prefix}/extra/{i}", b"")
+    loads_as(path, torch.load(path, weights_only=True))  # torch.load reads it, and so do we under the limit
+    monkeypatch.setattr(torch_zip, "MAX_DIRECTORY", 1 << 20)
+    refused(path, "its central directory has .* bytes .load_checkpoint reads at most 1048576")
