@@ -24,7 +24,10 @@ memory map, so their pages then count in the process's RSS).  Warm: the file is 
 from it first (``posix_fadvise(DONTNEED)``), and *read from disk* is the
 ``read_bytes`` of ``/proc/self/io`` over load and use (memory-mapped reads
 included).  Medians of ``--repeat`` runs.  Then a 2-rank FSDP2 run of the GPT
-(``benchmarks/checkpoint_ranks.py``): bytes each rank reads and its peak.
+(``benchmarks/checkpoint_ranks.py``): bytes each rank reads and its peak; and
+the GPT as a distributed checkpoint (``dcp.save`` by 2 FSDP2 ranks), loaded
+the torchtitan way (meta + ``to_empty`` + init + ``dcp.load``) and with
+``load_checkpoint``, by 1 process and by 2 ranks (``benchmarks/checkpoint_dcp.py``).
 
 Run: ``python benchmarks/checkpoint.py [--repeat 3] [--quick]`` (prints
 markdown).  Child mode (internal): ``... child MODEL ARM FOLDER``.
@@ -268,6 +271,7 @@ def preimported_table(folder: str, repeat: int, quick: bool) -> str:
 
 
 def main(repeat: int = 3, quick: bool = False) -> str:
+    from checkpoint_dcp import dcp_table
     from checkpoint_ranks import fsdp_table
 
     parts = [f"Machine: {machine()}", ""]
@@ -284,6 +288,7 @@ def main(repeat: int = 3, quick: bool = False) -> str:
             parts += [model_table(name, runs, os.path.getsize(path), label), ""]
             if name == "gpt":
                 parts += [preimported_table(folder, repeat, quick), "", fsdp_table(path, quick), ""]
+                parts += [dcp_table(os.path.join(root, "gpt-dcp"), quick, repeat), ""]
     parts += notes + [
         f"Medians of {repeat} fresh processes per cell (the FSDP2 table: one run); CPU, float32; MB = 10^6 bytes. "
         "Ratios are to the meta arm, warm. Goals (GPT): `load_checkpoint` time <= 0.5x and peak RSS <= 0.7x of "

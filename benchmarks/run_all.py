@@ -20,10 +20,11 @@ DOCS = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 BENCHMARKS = [
     ("Deferring a 70B model", "defer_70b", "Construction time and memory of a Llama-3-70B-shaped model: meta device, deferred_init, FakeTensorMode."),
     ("Materializing against eager construction", "materialize_speed", "Time and peak RSS of deferred_init + materialize_module against eager construction, each in a fresh process."),
-    ("Loading a checkpoint", "checkpoint", "A safetensors checkpoint into the 185M GPT and a transformers Llama: eager, meta + to_empty, accelerate, deferred_init + load_checkpoint (and from_pretrained); then 2 FSDP2 ranks, each reading its own rows."),
+    ("Loading a checkpoint", "checkpoint", "A safetensors checkpoint into the 185M GPT and a transformers Llama: eager, meta + to_empty, accelerate, deferred_init + load_checkpoint (and from_pretrained); then 2 FSDP2 ranks, each reading its own rows; then the GPT as a distributed checkpoint (dcp.save on 2 ranks), loaded the torchtitan way (meta + to_empty + init + dcp.load) and with load_checkpoint, on 1 and 2 ranks."),
     ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
     ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),
     ("Planning a training step", "planning", "One training step of the 70B Llama (bf16, batch 1x4096) on fake devices under PyTorch's FSDPMemTracker and FlopCounterMode, sharded over 8 fake ranks: deferinit against PyTorch's FakeTensorMode where it can run."),
+    ("What the patches cost code that is not deferred", "patch_overhead", "Nanoseconds per call of .data, .data =, set_, nn.Parameter and random calls, each column in a fresh process: PyTorch alone, the packages imported, after a fake was made, while a deferral's draws are pending (random calls with a generator of their own), after that deferral warned."),
 ]
 
 

@@ -14,8 +14,9 @@ draws start from) in one small ``all_gather``; if they agree, the
 collective is recorded as its local equivalent:
 
 * ``broadcast_`` changes nothing (the tensor already holds the root's values);
-* ``scatter_`` becomes ``output.copy_(piece)``, ``piece`` being this rank's
-  piece of its own copy of the source, padded as the root pads it.  The
+* ``scatter_`` becomes a copy of ``piece`` into the output, ``piece``
+  being this rank's piece of its own copy of the source, and zeros into
+  the rest of the output (the padding the root adds to uneven pieces).  The
   source is found from the output, which DTensor allocates like one of the
   pieces (``empty_like``) that it split off the source; the pieces
   themselves only reach the collective on the root.
@@ -43,8 +44,10 @@ from fake.bypass import no_python_dispatch
 from fake.dispatch import run
 from fake.tensor import FakeTensor
 
+from .effects import root_value
 from .errors import RecordingError
 from .graph import Input
+from .regions import Region
 from .rng import SAME, SEED
 
 # Operator namespaces of collectives (ProcessGroup ops and functional collectives).
@@ -136,16 +139,15 @@ def _scatter(func, args, kwargs, bound):
     result = run(func, args, kwargs).out  # the (meta) work object; nothing recorded
     with torch.no_grad():
         pieces = torch.split(source, split_size, dim)
-        if me < len(pieces):
-            piece = pieces[me]
-        else:
-            shape = list(source.shape)
-            shape[dim] = 0
-            piece = source.new_zeros(shape)
-        missing = out.shape[dim] - piece.shape[dim]
-        if missing:
-            piece = torch.constant_pad_nd(piece, [0, 0] * (piece.dim() - 1 - dim) + [0, missing], 0)
-        out.copy_(piece)  # recorded: this rank's own piece, as the root would pad it
+        n = pieces[me].shape[dim] if me < len(pieces) else 0
+        # Recorded: this rank's own piece, padded with zeros as the root pads
+        # it, as two writes to two parts of the output: a load of the piece
+        # over the part DTensor keeps (which it views) then hides the copy,
+        # and with it the source's initialization.
+        if n:
+            out.narrow(dim, 0, n).copy_(pieces[me])
+        if out.shape[dim] > n:
+            out.narrow(dim, n, out.shape[dim] - n).zero_()
     return result
 
 
@@ -227,10 +229,11 @@ def _backend(group) -> str:
 def _disagreement(what: str, ranks, root) -> CollectiveError:
     return CollectiveError(
         f"distributing a deferred tensor by {what} from rank {root}: the tensor has another recipe "
-        f"on rank(s) {ranks} than on rank {root} (another seed, or rank-dependent code before it), "
-        f"so the values rank {root} would send cannot be reproduced there. Seed every rank the same "
-        "before deferred_init, or pass src_data_rank=None to distribute_tensor / "
-        "parallelize_module to keep each rank's own values."
+        f"on rank(s) {ranks} than on rank {root} (another seed, another checkpoint loaded into it, or "
+        f"rank-dependent code before it), so the values rank {root} would send cannot be reproduced "
+        "there. Seed every rank the same before deferred_init and load the same checkpoint, or load "
+        "the checkpoint after distribute_tensor / parallelize_module (each rank then reads its own "
+        "piece), or pass src_data_rank=None to keep each rank's own values."
     )
 
 
@@ -286,29 +289,48 @@ def _closure(read: Input) -> list:
         stack.append((node, True))
         for x in reversed(node.flat):
             if type(x) is Input:
-                for dep in reversed(_inputs_nodes(x)):
+                for dep in reversed(_inputs_nodes(x, _overwrites_storage(node))):
                     if id(dep) not in done:
                         stack.append((dep, False))
     return order
 
 
-def _inputs_nodes(read: Input) -> list:
+def _inputs_nodes(read: Input, overwritten: bool = False) -> list:
+    if overwritten:
+        return []  # only the geometry counts (described with the read)
     nodes = [read.value.node]
     if read.version is not None:
         nodes.append(read.version)
     return nodes
 
 
+def _overwrites_storage(node) -> bool:
+    """A checkpoint load over every byte of its storage: what was written there
+    before (the initialization it replaces, maybe seeded otherwise on another
+    rank) is not part of the values."""
+    if node.kind != "load":
+        return False
+    value = node.flat[0].value
+    root = root_value(value)
+    if root is None:
+        return False
+    whole, written = Region.of(root), Region.of(value)
+    return whole is None or (written is not None and written.covers(whole))
+
+
 def _describe_input(read: Input, number) -> tuple:
     v = read.value
     version = number.get(id(read.version), -1) if read.version is not None else -1
-    return (number[id(v.node)], v.index, v.size, v.stride, v.offset, str(v.dtype), version)
+    return (number.get(id(v.node), -1), v.index, v.size, v.stride, v.offset, str(v.dtype), version)
 
 
 def _describe_node(node, number) -> tuple:
     parts = [node.kind, node.name]
     if node.kind in ("constant", "external"):
         parts.append(("data", _tensor_digest(node.payload), node.version))
+    if node.kind == "load":
+        # What the checkpoint holds, not what the file is called on this rank.
+        parts.append(("loaded", node.payload.fingerprint()))
     parts.extend(_describe_arg(x, number) for x in node.flat)
     if node.rng is not None:
         parts.append(("rng", _draw_origin(node.rng[0](), node.rng[1])))

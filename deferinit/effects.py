@@ -4,7 +4,8 @@ Which writes cover their tensor without reading it, which inputs only lend
 their geometry, where a storage comes from, and the two ways a checkpoint
 load is read in less than whole: only the parts of it that are read
 (:func:`load_parts`), or straight into the destination of a ``copy_`` that
-reads it (:func:`direct_copy`).
+reads it (:func:`direct_copy`), only the parts of that destination that
+are read (:func:`direct_parts`).
 
 A *load* (:func:`is_load`) is a checkpoint load node or a copy from a real
 tensor recorded after deferral.
@@ -23,6 +24,7 @@ import torch
 
 from fake.opinfo import op_info
 
+from .boxes import as_box
 from .graph import Input
 from .regions import Region
 
@@ -44,6 +46,11 @@ GEOMETRY_ONLY = frozenset({
     aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
     aten.new_empty_strided.default,
 })
+
+# Operators whose output element i is computed from input element i alone,
+# into fresh memory: a part of the output needs only that part of the input.
+ELEMENTWISE_COPIES = frozenset({aten.clone.default, aten._to_copy.default})
+
 
 def overwrites(node) -> bool:
     """Whether ``node`` writes every element of its first argument without reading it."""
@@ -139,6 +146,45 @@ def direct_copy(node, real_read):
     if outer is None or inner is None or not outer.covers(inner):
         return None
     return (load, (part.offset - whole.offset, part.size, part.stride))
+
+def direct_parts(value, region, found):
+    """The parts of a direct copy's destination ``value`` that are demanded, as
+    boxes of its indices (``(start, sizes)``), or None for all of it (a shard
+    FSDP2 cuts from a tensor-parallel piece reads only its own rows)."""
+    size = value.dtype.itemsize
+    boxes = []
+    for r, _ in found:
+        if r.covers(region):
+            return None
+        # A box of the destination's indices is inside it (a demand that only
+        # meets its bytes, the padding between its rows, is not one).
+        part = r.in_elements(size, value.offset * size)
+        box = None if part is None else as_box(*part, value.size, value.stride)
+        if box is None:
+            return None
+        boxes.append(box)
+    return boxes
+
+
+def copied_parts(src, out, found):
+    """The regions of ``src`` that the demanded parts ``found`` of ``out`` (the
+    output of an elementwise copy of it) are computed from, or None for all
+    of it (a ``contiguous()`` FSDP2 takes of a tensor-parallel piece, of which
+    it keeps a row block)."""
+    if src.size != out.size:
+        return None
+    out_size, src_size = out.dtype.itemsize, src.dtype.itemsize
+    regions = []
+    for r, _ in found:
+        part = r.in_elements(out_size, out.offset * out_size)
+        box = None if part is None else as_box(*part, out.size, out.stride)
+        if box is None:
+            return None
+        start, sizes = box
+        offset = src.offset + sum(i * s for i, s in zip(start, src.stride))
+        regions.append(Region(offset * src_size, sizes, tuple(s * src_size for s in src.stride), src_size))
+    return regions
+
 
 def load_parts(node, value, region, found):
     """The parts of a load's tensor that are demanded, in its elements

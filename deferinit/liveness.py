@@ -18,8 +18,8 @@ requested) at that point of the record:
   their input's geometry: neither demands contents;
 * a ``copy_`` from a tensor whose bytes come straight from a checkpoint
   load reads the checkpoint into its destination **directly**, and a load
-  whose tensor is only partly demanded reads only those parts: a shard
-  cut from a loaded parameter reads the shard's bytes only.
+  (or such a copy) whose tensor is only partly demanded reads only those
+  parts: a shard cut from a loaded parameter reads the shard's bytes only.
 
 Random draws whose results are dead still move the generator: a later live
 draw of the same stream may need the state they leave.  Those draws (and
@@ -50,7 +50,10 @@ from __future__ import annotations
 
 import torch
 
-from .effects import GEOMETRY_ONLY, allocatable, direct_copy, is_load, is_view, load_parts, overwrites, root_value
+from .effects import (
+    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, is_load, is_view,
+    load_parts, overwrites, root_value,
+)
 from .graph import Input, version_seq
 from .regions import Region
 
@@ -258,6 +261,10 @@ class Liveness:
                 if overwriting and k is not None and region is not None:
                     if node.kind == "load":
                         loads[nid] = load_parts(node, w.value, region, found)
+                    elif mode == DIRECT:
+                        parts = direct_parts(w.value, region, found)
+                        if parts is not None:
+                            directs[nid] = (*directs[nid], parts)
                     kill(k, region, seq)
                 else:
                     demand(w)
@@ -266,12 +273,23 @@ class Liveness:
             if mode == DIRECT:
                 continue
             view_only = node.kind == "op" and node.target in GEOMETRY_ONLY
+            partial = None
+            if node.kind == "op" and node.target in ELEMENTWISE_COPIES and nid not in forced and outs and 0 in outs:
+                # Only the parts of the input that the demanded parts of the output come from.
+                source = next((x for x in node.flat if type(x) is Input), None)
+                found = demanded(outs[0], seq)[2]
+                if source is not None and found:
+                    partial = copied_parts(source.value, outs[0], found)
             first = True
             for p, x in enumerate(node.flat):
                 if type(x) is not Input or p in node.writes:
                     continue
                 if view_only and first:
                     need(x)
+                elif partial is not None and first:
+                    need(x)
+                    for region in partial:
+                        demand(x, region)
                 else:
                     demand(x)
                 first = False

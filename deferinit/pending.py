@@ -13,14 +13,17 @@ numbers generated at that moment (minutes for a large model), so instead
 this is said when it happens: a :class:`~deferinit.errors.PendingDrawsWarning`
 naming the op, the modules being built and the deferral, once per deferral.
 
-While a closed record with draws on a default generator is alive (and only
-then), PyTorch's Python entry points of random ops (the ``torch`` functions
-and ``Tensor`` methods of every ATen op with a ``generator`` argument) are
-diverted to a check; a draw is *pending* while that generator still holds
-the state recording left it in and no seed was set through torch's API
-since (a seed, a materialization's hand-over or an earlier real draw means
-it is not).  Random kernels that C++
-calls internally (``F.dropout``) are not seen.
+While a closed record with draws on a default generator is alive and may
+still warn (and only then), PyTorch's Python entry points of random ops (the
+``torch`` functions and ``Tensor`` methods of every ATen op with a
+``generator`` argument) are diverted to a check; a draw is *pending* while
+that generator still holds the state recording left it in and no seed was
+set through torch's API since (a seed, a materialization's hand-over or an
+earlier real draw means it is not).  A record stops being watched as soon
+as it cannot warn any more (it warned, a seed was set, its generators
+moved), so the check, some microseconds a call, is paid only in that
+window.  Random kernels that C++ calls internally (``F.dropout``) are not
+seen.
 """
 
 from __future__ import annotations
@@ -43,13 +46,38 @@ from .rng import default_generator, fingerprint, get_state
 from .where import constructing
 
 _lock = threading.Lock()
-# Watched record -> the seeding epoch when it closed (deferinit.record.CHAINS).
+# Watched record -> its _Hold; only records that may still warn (see _retire).
 _watched: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_warned: "weakref.WeakSet" = weakref.WeakSet()
+_CPU = torch.device("cpu")
+
+
+class _Hold:
+    """A watched record's hold of the diversions: the seeding epoch when it
+    closed, the devices whose draws may still be pending, the draws found
+    pending and not finished yet (``busy``: the record is not retired under
+    them, so that their warning is not lost to another thread that sees the
+    generator they moved), and whether it still holds the patches (released
+    once: when it can no longer warn, or when it dies)."""
+
+    __slots__ = ("epoch", "devices", "busy", "held")
+
+    def __init__(self, epoch, devices):
+        self.epoch = epoch
+        self.devices = devices
+        self.busy = 0
+        self.held = True
+
+    def release(self) -> None:
+        with _lock:
+            if not self.held:
+                return
+            self.held = False
+        for patch in reversed(PATCHES):
+            patch.release()
 
 
 def watch(record) -> None:
-    """Check real draws against ``record`` (closed) for as long as it lives, if it drew
+    """Check real draws against ``record`` (closed) while it may warn, if it drew
     from a default generator.
 
     Example::
@@ -60,20 +88,29 @@ def watch(record) -> None:
         >>> record in _watched       # deferred() watched it when it closed
         True
     """
-    if not any(type(k) is torch.device and s.nodes and k in record.exit for k, s in record.streams.items()):
+    devices = {
+        k for k, s in record.streams.items() if type(k) is torch.device and s.nodes and record.exit.get(k) is not None
+    }
+    if not devices:
         return
     with _lock:
         if record in _watched:
             return
-        _watched[record] = _epoch()
-    for patch in PATCHES:
-        patch.acquire()
-    weakref.finalize(record, _release)
+        # Held before any thread can find (and retire) the record: the count pairs.
+        for patch in PATCHES:
+            patch.acquire()
+        hold = _watched[record] = _Hold(_epoch(), devices)
+    weakref.finalize(record, hold.release)
 
 
-def _release() -> None:
-    for patch in reversed(PATCHES):
-        patch.release()
+def _retire(record, hold) -> None:
+    """Stop watching ``record``, which can no longer warn, unless a draw found
+    it pending and has not warned yet (that draw retires it)."""
+    with _lock:
+        if hold.busy or _watched.get(record) is not hold:
+            return
+        del _watched[record]
+    hold.release()
 
 
 def _epoch():
@@ -83,23 +120,40 @@ def _epoch():
 
 
 def _pending(device: torch.device):
-    """A watched record whose draws on ``device``'s default generator are pending, or None."""
+    """``(record, hold)`` for a watched record whose draws on ``device``'s default
+    generator are pending (counted busy until :func:`_finish`), or None.
+
+    A record that can never be pending again is retired on the way, so that
+    the diversions cost nothing once no record can warn: a seed was set
+    since it closed (the epoch moved), or the generator no longer holds the
+    state it left (a materialization handed the generator over, or a draw
+    moved it; torch.set_rng_state back to that state moves the epoch too)."""
     with _lock:
-        records = list(_watched.items())
-    now = None
+        entries = [(r, h) for r, h in _watched.items() if device in h.devices]
+    if not entries:
+        return None
     epoch = _epoch()
-    for record, at in records:
-        stream = record.streams.get(device)
-        state = record.exit.get(device)
-        if stream is None or not stream.nodes or state is None or record in _warned or at != epoch:
+    now = None
+    for record, hold in entries:
+        if hold.epoch != epoch:
+            _retire(record, hold)
             continue
         if now is None:
             gen = default_generator(device)
             if gen is None:
                 return None
             now = fingerprint(get_state(gen))
-        if now == fingerprint(state):
-            return record
+        if now == fingerprint(record.exit[device]):
+            with _lock:
+                if _watched.get(record) is hold:
+                    hold.busy += 1  # until _finish: the draw is under way
+                    return record, hold
+            continue
+        with _lock:
+            hold.devices.discard(device)
+            done = not hold.devices
+        if done:
+            _retire(record, hold)
     return None
 
 
@@ -110,28 +164,33 @@ def _device_of(args, kwargs) -> torch.device:
     for a in (*args, *kwargs.values()):
         if isinstance(a, torch.Tensor):
             return a.device
+    if not torch._C._len_torch_function_stack():
+        return _CPU  # no torch.device(...) context, no set_default_device
     return torch.get_default_device()
 
 
 def _pending_draw(args, kwargs):
-    """``(record, device)`` when this call draws from a default generator whose
-    deferred draws are pending, else None."""
+    """``(record, hold, device)`` when this call draws from a default generator
+    whose deferred draws are pending, else None."""
+    generator = kwargs.get("generator")
+    if generator is not None and generator is not default_generator(generator.device):
+        return None  # a generator of the user's own: no deferral drew from it
     if any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
         return None
-    device = _device_of(args, kwargs)
-    if device.type != "cpu" and default_generator(device) is None:
-        return None  # a device this process does not have: eager raises next
+    if generator is not None:
+        device = generator.device
+    else:
+        device = _device_of(args, kwargs)
+        if device.type != "cpu" and default_generator(device) is None:
+            return None  # a device this process does not have: eager raises next
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    generator = kwargs.get("generator")
-    if generator is not None and generator is not default_generator(device):
-        return None
-    record = _pending(device)
-    return None if record is None else (record, device)
+    found = _pending(device)
+    return None if found is None else (*found, device)
 
 
 def _check(args, kwargs):
-    """``(record, device)`` for a real draw while that record's draws are pending."""
+    """``(record, hold, device)`` for a real draw while that record's draws are pending."""
     if current_record() is not None or in_fake_mode():
         return None  # recorded, or fakes: nothing is drawn for real here
     try:
@@ -140,10 +199,24 @@ def _check(args, kwargs):
         return None
 
 
-def _warn(name: str, record, device) -> None:
-    if record in _warned:
-        return
-    _warned.add(record)
+def _finish(record, hold, drew: bool) -> bool:
+    """A draw found ``record`` pending is over: True if it drew and is the first
+    to (it warns, and the record is retired)."""
+    with _lock:
+        hold.busy -= 1
+        # Not drawn (eager raised): retired only if another thread found the
+        # generator moved meanwhile and left the record to this call.
+        retire = _watched.get(record) is hold and (drew or not hold.devices)
+        if retire:
+            del _watched[record]
+    if retire:
+        hold.release()
+    return retire and drew
+
+
+def _warn(name: str, record, hold, device) -> None:
+    if not _finish(record, hold, True):
+        return  # warned already (once per deferral)
     n = len(record.streams[device].nodes)
     building = constructing()
     where = "" if building.startswith("(") else f" (constructing {building})"
@@ -164,14 +237,21 @@ def _checking(name: str, original):
     @functools.wraps(original)
     def draw(*args, **kwargs):
         found = _check(args, kwargs)
-        out = original(*args, **kwargs)
-        if found is not None:  # it drew: eager's error, if any, came first
-            _warn(name, *found)
+        if found is None:
+            return original(*args, **kwargs)
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:  # eager's error: nothing was drawn, the record may still warn
+            _finish(*found[:2], False)
+            raise
+        _warn(name, *found)
         return out
 
     # What fake.mode's function mode calls instead (PyTorch hands Tensor
     # methods to torch-function modes by their name on torch.Tensor).
     draw.__deferinit_stands_for__ = original
+    # Pickled by reference as what it stands for (torch.<name>, torch.Tensor.<name>), as the builtin is.
+    draw.__module__, draw.__qualname__ = "torch", name.removeprefix("torch.")
     return not_inlined(draw)
 
 

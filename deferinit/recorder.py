@@ -114,6 +114,8 @@ class Recorder(FakeHandler):
         for fake in written:
             if isinstance(fake, FakeTensor):
                 check_storage_not_real(fake, func)
+                if fake._record is not record and fake._record is not None and record is not None:
+                    fake._record.parents.add(record)  # its recipe now runs through this record
         if written:
             self._writes(node, info, args, kwargs, call, written)
         if call.fresh:
@@ -233,8 +235,8 @@ class Recorder(FakeHandler):
 
     def constant(self, real: torch.Tensor, device, like: FakeTensor | None = None) -> FakeTensor:
         """A fake holding a copy of ``real`` (a constant of the record) on ``device``,
-        in the record of ``like`` if given, else the one being recorded."""
-        record = like._record if like is not None and like._record is not None else current_record()
+        in the record being recorded, else in that of ``like``."""
+        record = current_record() or (like._record if like is not None else None)
         with no_python_dispatch():
             payload = real.detach().clone()
         node = Node("constant", torch.device(device) if not isinstance(device, torch.device) else device, payload=payload)
@@ -242,8 +244,7 @@ class Recorder(FakeHandler):
         storage = Storage()
         return attach(fake, record, Value(node, 0, fake, storage), storage)
 
-    def lift(self, real, device, like=None):
-        return self.constant(real, device, like)
+    lift = constant
 
     def opaque(self, fn, tensor: FakeTensor, args: tuple, kwargs: dict) -> FakeTensor:
         """Record ``fn(tensor, *args, **kwargs)`` as one call that writes ``tensor``
@@ -252,7 +253,7 @@ class Recorder(FakeHandler):
         For Python initialisers whose control flow depends on the data they
         draw (``nn.init.trunc_normal_`` samples by rejection).
         """
-        record = tensor._record
+        record = _record_of((tensor,), {})
         flat, spec = flatten((tensor, *args), kwargs)
         node_flat = [
             self._read(x, fn, record) if isinstance(x, FakeTensor)
@@ -265,6 +266,8 @@ class Recorder(FakeHandler):
         if dtype is not torch.float32:
             node.default_dtype = dtype
         check_storage_not_real(tensor, fn)
+        if tensor._record is not record and tensor._record is not None:
+            tensor._record.parents.add(record)  # its recipe now runs through this record
         record.add_random(node, stream_key(kwargs, tensor.device), tensor._storage)
         node.writes = (0,)
         if "_data_alias" in tensor.__dict__:
@@ -380,6 +383,10 @@ def _has_tensor(flat) -> bool:
 
 
 def _record_of(args, kwargs):
+    # Inside a deferral an op happens in its time (a draw in its streams), whoever made its inputs.
+    current = current_record()
+    if current is not None:
+        return current
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, FakeTensor) and a._record is not None:
             return a._record

@@ -18,8 +18,11 @@ from .tensor import FakeTensor, is_fake, meta_like
 from . import dispatch as _dispatch  # noqa: F401  (installs the plain handler)
 from .mode import fake_mode
 from . import assign as _assign
+from .first import at_first_fake as _at_first_fake
 
-_assign.install()  # real.data = fake: see fake/assign.py
+# Patches of torch.Tensor that only fakes need (real.data = fake, see
+# fake/assign.py), installed when the first fake is made.
+_at_first_fake(_assign.install)
 
 __all__ = [
     "FakeStorage",

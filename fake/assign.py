@@ -8,17 +8,21 @@ OLoRA initialisations do it).  In C++ that copies ``t``'s tensor fields into
 nothing, and crash the process at the first kernel that reads it.  The C++
 setter, like the C++ decomposition of ``p.set_(t, offset, size, stride)``,
 never asks ``t``'s class, so ``torch.Tensor.data`` and ``torch.Tensor.set_``
-are replaced once, when the Fake layer is imported, by versions that hand an
-operation with a fake argument on a real tensor to this module; everything
-else goes straight to PyTorch's own.
+are replaced once, when the first fake of the process is made (a process
+without fakes keeps PyTorch's own), by versions that hand an operation with
+a fake argument on a real tensor to this module; everything else goes
+straight to PyTorch's own.
 
 Here ``p`` becomes a fake in place (the same Python object, with its class
 remembered for materialization, its ``requires_grad`` and its attributes),
 on ``t``'s memory: a deferred fake when ``t`` is deferred, so that
-materialization computes it, aliasing ``t`` as eagerly.  What cannot become
-a fake (a tensor with a ``.grad``, a non-leaf, a view, a tensor subclass
-with a dispatch of its own) raises :class:`~fake.errors.FakeIntoRealError`
-and is left as it was.
+materialization computes it, aliasing ``t`` as eagerly.  Its gradient
+hooks stay too: eagerly they belong to ``p``, whatever its data.  What
+eager refuses (an integer ``t`` for a ``p`` that requires grad, tensors of
+incompatible kinds, ``set_`` across dtypes or devices) raises eager's
+error; what cannot become a fake (a tensor with a ``.grad``, a non-leaf, a
+view, a tensor subclass with a dispatch of its own or with ``__slots__``)
+raises :class:`~fake.errors.FakeIntoRealError`; both leave ``p`` as it was.
 """
 
 from __future__ import annotations
@@ -46,20 +50,24 @@ def _set_(self, *args, **kwargs):
     if not isinstance(self, FakeTensor):
         source = kwargs.get("source", args[0] if args else None)
         if isinstance(source, FakeTensor):
+            _check_set(self, source, len(args) + len(kwargs) > 1)
             return _as_fake_then(self, source, "tensor.set_(fake)", lambda: self.set_(*args, **kwargs))
     return _SET(self, *args, **kwargs)
 
 
+# Pickled by reference as what it stands for (torch.Tensor.set_), as PyTorch's own is.
 _set_.__doc__ = _SET.__doc__
 _set_.__name__ = "set_"
 _set_.__qualname__ = "Tensor.set_"
+_set_.__module__ = "torch"
 
 #: ``torch.Tensor.data``: PyTorch's getter, and a setter that sends fakes here.
 DATA = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
 
 
 def install() -> None:
-    """Put :data:`DATA` and the ``set_`` above on ``torch.Tensor`` (once, idempotent).
+    """Put :data:`DATA` and the ``set_`` above on ``torch.Tensor`` (once, idempotent;
+    the Fake layer calls it when the first fake is made).
 
     Example::
 
@@ -76,10 +84,39 @@ def install() -> None:
         torch.Tensor.set_ = _set_
 
 
+# The backends whose dense tensors eager lets share .data (TensorImpl's
+# has_compatible_shallow_copy_type); a fake stands for a dense tensor.
+_DENSE = frozenset({"cpu", "cuda", "mps", "hip", "xpu", "hpu"})
+
+
 def _check_data(self, new) -> None:
-    # Eager's own check (VariableHooks::set_data), before anything changes.
+    # Eager's own checks (VariableHooks::set_data), before anything changes.
+    dense = self.layout == torch.strided and not self.is_quantized and not self.is_nested
+    if not (dense and (self.device.type == new.device.type or {self.device.type, new.device.type} <= _DENSE)):
+        raise RuntimeError(
+            "Attempted to call `variable.set_data(tensor)`, but `variable` and `tensor` have incompatible tensor type."
+        )
     if self.requires_grad and not (new.is_floating_point() or new.is_complex()):
         raise RuntimeError("data set to a tensor that requires gradients must be floating point or complex dtype")
+
+
+def _check_set(self, source, geometry: bool) -> None:
+    # Eager's own checks of set_(source[, offset, size, stride]): the same device,
+    # and for the tensor overload the same dtype.
+    if self.device != source.device:
+        raise RuntimeError(
+            f'Attempted to set the storage of a tensor on device "{self.device}" to a storage on '
+            f'different device "{source.device}".  This is no longer allowed; the devices must match.'
+        )
+    if self.dtype != source.dtype:
+        if not geometry:
+            raise RuntimeError(f"Could not set tensor of type {source.dtype} to a tensor of type {self.dtype}")
+        raise FakeIntoRealError(
+            f"tensor.set_(fake, offset, size, stride): would read the memory of the fake tensor "
+            f"{describe(source)} as {self.dtype}, the dtype of the real tensor {describe(self)}; "
+            "a fake's memory cannot be reinterpreted as another dtype. View the source as that "
+            "dtype first (fake.view(dtype)), or materialize it first (materialize_tensor)."
+        )
 
 
 def _as_fake_then(real, like, operation: str, op):
@@ -111,26 +148,63 @@ def become_fake(real: torch.Tensor, like: FakeTensor, operation: str):
     """
     _refuse_unless_leaf(real, like, operation)
     cls = type(real)
-    stand = like.detach()  # the same value under a new fake object
-    if real.requires_grad:
-        stand.requires_grad_(True)
+    # Under inference_mode a new fake would be an inference tensor, which
+    # real (refused if it is one) is not: eagerly it stays what it was.
+    with torch.inference_mode(False):
+        stand = like.detach()  # the same value under a new fake object
+        if real.requires_grad:
+            stand.requires_grad_(True)
     if cls is not torch.Tensor:
         if cls is not torch.nn.Parameter:
-            stand.__class__ = fake_class(cls)
+            try:
+                stand.__class__ = fake_class(cls)
+            except TypeError as e:  # a layout a fake cannot take (__slots__)
+                raise FakeIntoRealError(
+                    f"{operation}: the real tensor {describe(real)} would become a fake, but its class "
+                    f"{cls.__name__} cannot ({e}). Create it inside deferred() too, or materialize the "
+                    "source first (materialize_tensor)."
+                ) from None
         remember_class(stand, cls)
     for key, value in real.__dict__.items():
         stand.__dict__.setdefault(key, value)
-    _exchange(real, stand)
-    return lambda: _exchange(real, stand)
+    exchange(real, stand)
+    return lambda: exchange(real, stand)
 
 
-def _exchange(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Exchange two tensor objects' contents: class, ``__dict__`` and C++ tensor."""
+def exchange(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Exchange two tensor objects' contents: class, ``__dict__`` and C++ tensor;
+    each object keeps its gradient hooks.
+
+    ``torch.utils.swap_tensors`` leaves the hooks of ``register_hook`` and
+    ``register_post_accumulate_grad_hook`` on the Python object but moves the
+    autograd hooks that call them with the C++ tensor: the object's
+    gradients would skip its hooks.  Here they are attached to the C++
+    tensor each object holds afterwards (materialization swaps the same way).
+
+    Example::
+
+        >>> a, b = torch.zeros(2, requires_grad=True), torch.ones(3, requires_grad=True)
+        >>> _ = a.register_hook(lambda g: g * 10)
+        >>> exchange(a, b)
+        >>> a.sum().backward()
+        >>> a.shape, a.grad
+        (torch.Size([3]), tensor([10., 10., 10.]))
+    """
     for name in ("__class__", "__dict__"):
         mine, theirs = getattr(a, name), getattr(b, name)
         setattr(a, name, theirs)
         setattr(b, name, mine)
     torch._C._swap_tensor_impl(a, b)
+    _hooks_follow(a, b)
+
+
+def _hooks_follow(a: torch.Tensor, b: torch.Tensor) -> None:
+    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
+        ha, hb = getattr(a, name), getattr(b, name)
+        if ha is not None or hb is not None:
+            # The setter puts the C++ hook that calls them on the tensor held now.
+            setattr(a, name, ha)
+            setattr(b, name, hb)
 
 
 def _refuse_unless_leaf(real: torch.Tensor, like: FakeTensor, operation: str) -> None:

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from . import first as _first
 from . import handlers
 from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
@@ -272,6 +273,8 @@ _STRIDED = torch.strided
 
 def _make(cls, shadow, device, requires_grad=False):
     # Positional arguments: this runs for every fake ever made.
+    if _first.waiting:
+        _first.first_fake()
     self = _make_wrapper(
         cls, shadow.size(), shadow.stride(), shadow.storage_offset(), None,
         shadow.dtype, _STRIDED, backend_device(device), False, requires_grad,

@@ -28,14 +28,21 @@ def run_marked(replay, node, mode, env, real_views, wanted) -> bool:
                 )
         return True
     if mode == DIRECT:
-        load, (offset, sizes, strides) = replay.liveness.direct[id(node)]
+        load, (offset, sizes, strides), *parts = replay.liveness.direct[id(node)]
         dst = replay._resolve(node.flat[0], env, real_views)
         source = load.payload
         # The load cast the checkpoint to its tensor's dtype, the copy to the
         # destination's: the same two casts, unless one of them is none.
         middle = load.flat[0].value.dtype
         via = None if middle in (source.dtype, dst.dtype) else middle
-        source.read(dst, offset, sizes, strides, via=via)
+        if not parts:
+            source.read(dst, offset, sizes, strides, via=via)
+            return True
+        for start, box in parts[0]:
+            # Only the blocks of the destination something reads later.
+            at = dst.storage_offset() + sum(i * s for i, s in zip(start, dst.stride()))
+            view = dst.as_strided(box, dst.stride(), at)
+            source.read(view, offset + sum(i * s for i, s in zip(start, strides)), box, strides, via=via)
         return True
     if node.kind == "load":
         dst = replay._resolve(node.flat[0], env, real_views)

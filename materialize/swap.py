@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import AutogradMaterializationError, MaterializationError
+from fake.assign import exchange
 from fake.tensor import INTERNAL_ATTRS
 
 from .autograd import grad_fn_of, is_grad_view
@@ -100,12 +101,10 @@ def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     graphs of real tensors: a weak reference to a fake
     (``nn.RNNBase._flat_weight_refs`` keeps them) should follow the object,
     and C++ references to a fake (a view's base) describe nothing real.
+    Gradient hooks registered on the fake stay with the object, as they
+    would on the eagerly built tensor (see :func:`fake.assign.exchange`).
     """
-    for name in ("__class__", "__dict__"):
-        a, b = getattr(t1, name), getattr(t2, name)
-        setattr(t1, name, b)
-        setattr(t2, name, a)
-    torch._C._swap_tensor_impl(t1, t2)
+    exchange(t1, t2)
 
 
 def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -160,3 +160,69 @@ def case_fsdp1(rank: int, world_size: int, path: str) -> dict:
         if not torch.equal(state[key], value):
             raise AssertionError(f"{key} differs from the checkpoint")
     return {"read": read}
+
+
+def _eager_sharded(make, path, layout):
+    """The eager reference: the module built for real, ``load_state_dict`` of the
+    checkpoint, then sharded by ``layout`` (see :func:`dcp_workers.shard`)."""
+    from safetensors.torch import load_file
+
+    import dcp_workers
+
+    eager = make()
+    eager.load_state_dict(load_file(path))
+    return dcp_workers.shard(eager, layout)
+
+
+def _same_locals(model, reference) -> None:
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        want = expected[name]
+        if getattr(p, "placements", None) != getattr(want, "placements", None):
+            raise AssertionError(f"{name}: placements {p.placements} where eager has {want.placements}")
+        if not torch.equal(getattr(p, "_local_tensor", p).detach(), getattr(want, "_local_tensor", want).detach()):
+            raise AssertionError(f"{name}: this rank's piece differs from eager's")
+
+
+def case_sharded_load(rank: int, world_size: int, path: str, model_name: str, layout: str, order: str) -> dict:
+    """A deferred model (seed 0; the checkpoint was saved from seed 7) loaded
+    ``before`` or ``after`` sharding by ``layout`` (``tp``: the uneven
+    ``Linear(64, 1023)`` colwise; ``2d``: tensor parallel inside FSDP2);
+    each rank's pieces equal eager's, no random kernel runs."""
+    import dcp_workers
+
+    make = dcp_workers.MODELS[model_name]
+    reference = _eager_sharded(make, path, layout)
+    torch.manual_seed(0)
+    model = deferred_init(make)
+    before = rchar()
+    if order == "before":
+        load_checkpoint(model, path)
+    dcp_workers.shard(model, layout)
+    if order == "after":
+        load_checkpoint(model, path)
+    headers = rchar() - before
+    read, random = _materialize_measured(model)
+    _same_locals(model, reference)
+    return {"read": read + headers, "random": random}
+
+
+def case_divergent_sources(rank: int, world_size: int, paths: list, seeds: list) -> dict:
+    """Rank r loads ``paths[r]`` into a deferred MLP seeded ``seeds[r]``, then
+    ``parallelize_module`` with the default ``src_data_rank=0``: every rank gets
+    rank 0's rows as eager would, or a CollectiveError on every rank."""
+    from deferinit.collectives import CollectiveError
+
+    import dcp_workers
+
+    torch.manual_seed(seeds[rank])
+    model = deferred_init(dcp_workers.MLP)
+    load_checkpoint(model, paths[rank])
+    try:
+        dcp_workers.shard(model, "tp")
+    except CollectiveError as e:
+        return {"error": str(e)}
+    materialize_module(model)
+    # Eager: rank 0's checkpoint, scattered from rank 0.
+    _same_locals(model, _eager_sharded(dcp_workers.MLP, paths[0], "tp"))
+    return {"error": None}

@@ -12,11 +12,25 @@ for path in (os.path.dirname(HERE), HERE):  # the packages, and tests/helpers.py
         sys.path.insert(0, path)
 
 
+# The Fake layer patches torch.Tensor (.data, set_) once, when
+# the first fake of the process is made (fake/__init__.py): make one before
+# any test, so that every test finds, and must leave, that steady state.
+# (Subprocess tests start from a process without fakes.)
+import fake  # noqa: E402
+
+fake.FakeTensor(torch.empty(0, device="meta"), "cpu")
+
+
 def _global_state():
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+    from fake.subclass import MAKE_SUBCLASS
+
     return (
+        MAKE_SUBCLASS.users,
+        vars(torch.Tensor).get("data"),
+        vars(torch.Tensor).get("set_"),
         torch.get_default_dtype(),
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),

@@ -10,6 +10,7 @@ import torch
 MODULES = [
     "fake",
     "fake.tensor",
+    "fake.first",
     "fake.mode",
     "fake.device",
     "fake.function",
@@ -33,6 +34,7 @@ MODULES = [
     "deferinit.plan",
     "deferinit.holdings",
     "deferinit.regions",
+    "deferinit.boxes",
     "deferinit.effects",
     "deferinit.plain",
     "deferinit.liveness",
@@ -64,6 +66,7 @@ MODULES = [
     "materialize.checkpoint.nested",
     "materialize.checkpoint.files",
     "materialize.checkpoint.undo",
+    "materialize.checkpoint.fingerprints",
 ]
 
 

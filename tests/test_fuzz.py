@@ -1243,6 +1243,23 @@ FIXED = {
         'self.register_buffer("a", t0)',
         'self.register_buffer("b", t1)',
     ], {"x0": ((3,), torch.float32, 4)}, deferred_outside=True),
+    # new_tensor of a tensor of another (closed) deferral, then drawn on inside
+    # this one: the draw is in this constructor's order (was recorded into the
+    # closed deferral: "the record ... is gone", or eager's draws out of order).
+    "new_tensor_of_deferred_outside_drawn": Program(0, [
+        "t1 = torch.rand((), dtype=torch.float32)",
+        "t2 = x0.new_tensor([1, 2])",
+        "t2.random_(0, 10)",
+        "t1.add_(0.0)",
+        'self.register_buffer("b_t2", t2)',
+    ], {"x0": ((), torch.float32, 0)}, deferred_outside=True),
+    "new_tensor_of_deferred_outside_post_random": Program(0, [
+        "t0 = torch.rand((), dtype=torch.float32)",
+        "t1 = x0.new_tensor([1, 2])",
+        "t0.add_(0.0)",
+        'self.register_buffer("b_t1", t1)',
+    ], {"x0": ((), torch.float32, 0)}, post=["t_b_t1.uniform_(0.0, 0.0)", "t_b_t1.random_(0, 10)"],
+        post_random=True, deferred_outside=True),
     "post_random_and_geometry": Program(0, [
         "t0 = torch.randn(2, 3)",
         'self.register_buffer("a", t0)',

@@ -6,7 +6,11 @@
 reads straight into a tensor), ``capture.py`` (the module's own
 ``load_state_dict`` run on stand-ins), ``matching.py`` (keys, and what to
 say when they do not fit), ``loading.py`` (load nodes on deferred tensors,
-staged copies into real ones), ``undo.py`` (what a failed call puts back).
+staged copies into real ones), ``undo.py`` (what a failed call puts back),
+``blocks.py`` (the block a DTensor holds), ``dcp.py`` with
+``dcp_metadata.py``, ``dcp_chunks.py`` and ``zipcheck.py`` (PyTorch
+distributed checkpoints), ``fingerprints.py`` (digests of loaded values
+ranks compare).
 
 Example::
 

@@ -20,8 +20,9 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     ``module.load_state_dict``, and return ``(missing_keys, unexpected_keys)``.
 
     ``source`` is a state dict, a ``.safetensors`` file, a ``torch.save``
-    file (read with ``weights_only=True``), or a directory of safetensors
-    files (with or without transformers' ``model.safetensors.index.json``).
+    file (read with ``weights_only=True``), a directory of safetensors
+    files (with or without transformers' ``model.safetensors.index.json``),
+    or a directory written by ``torch.distributed.checkpoint.save``.
     It runs the module's own ``load_state_dict`` on stand-ins for the
     checkpoint's tensors (:mod:`materialize.checkpoint.capture`), so names,
     ``strict``, shapes, dtype casting (to the tensor's dtype, as ``copy_``),
@@ -38,7 +39,8 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     the initialisation the checkpoint overwrites; tensors the checkpoint
     lacks keep their recorded initialisation.  A sharded tensor (FSDP2,
     tensor parallel), loaded before or after sharding, reads only the bytes
-    of its shard.  A state dict behaves as if copied at the call.  **Real**
+    of its shard, also from a distributed checkpoint saved on another number
+    of ranks.  A state dict behaves as if copied at the call.  **Real**
     tensors are loaded within the call, all or nothing: every read succeeds
     before anything is written.  An inference tensor is refused outside
     ``torch.inference_mode()``, as ``load_state_dict`` refuses it.  On an

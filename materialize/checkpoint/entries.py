@@ -95,6 +95,12 @@ class Entry:
         """This tensor as it is now, for a load read later (see :meth:`MemorySource.kept`)."""
         return self.source.kept(self)
 
+    def fingerprint(self) -> bytes:
+        """A digest of the values (ranks compare it before a scatter; see :mod:`.fingerprints`)."""
+        from .fingerprints import digest
+
+        return digest(self)
+
     def describe(self) -> str:
         return f"{self.key!r} of {self.source.describe()}"
 

@@ -32,13 +32,13 @@ from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from fake import is_fake
 from fake.flat import flatten
 
+from .blocks import local_block
 from .capture import is_dtensor, storage_key
 from .entries import MemorySource, read_now
 from .sources import DeferredValue
 from .undo import Guard, keep, put_back
 
 _SPEC = flatten((None,), {})[1]
-_BOXES = ("Shard", "Replicate")
 
 
 def record_load(fake: torch.Tensor, entry) -> Node:
@@ -66,25 +66,6 @@ _INFERENCE = (
     "tensor outside InferenceMode is not allowed\"). Call load_checkpoint inside "
     "torch.inference_mode(), or build the module outside it. Nothing was loaded or recorded."
 )
-
-
-def local_block(key: str, tensor) -> tuple[tuple, tuple]:
-    """``(start, sizes)``: the block of the full tensor a DTensor holds on this rank."""
-    kinds = [type(p).__name__ for p in tensor.placements]
-    if any(k not in _BOXES for k in kinds):
-        raise CheckpointError(
-            f"{key} is sharded with placements {list(tensor.placements)}; load_checkpoint reads "
-            f"the blocks of Shard and Replicate placements only. Call load_checkpoint before sharding "
-            "(each rank then still reads only its own part)."
-        )
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    sizes, start = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    if tuple(sizes) != tuple(tensor._local_tensor.shape):
-        raise CheckpointError(
-            f"{key}: this rank holds {list(tensor._local_tensor.shape)}, its placements say {list(sizes)}."
-        )
-    return tuple(start), tuple(sizes)
 
 
 class Load:

@@ -5,7 +5,9 @@
 * a ``.safetensors`` file;
 * a ``torch.save`` file (what ``torch.load(weights_only=True)`` reads; a
   zip archive or a legacy file, read by position like safetensors);
-* a directory: transformers' ``model.safetensors.index.json`` (or
+* a directory written by ``torch.distributed.checkpoint.save`` (a
+  ``.metadata`` file and ``.distcp`` files; see :mod:`.dcp`);
+* another directory: transformers' ``model.safetensors.index.json`` (or
   ``pytorch_model.bin.index.json``) says which file holds which key;
   without one, every ``*.safetensors`` file in it (or else every ``*.bin``,
   ``*.pt``, ``*.pth`` file).  Only files inside the directory are read
@@ -26,6 +28,7 @@ import torch
 from deferinit.errors import CheckpointError, CheckpointNotFoundError
 from fake import is_fake
 
+from .dcp import is_dcp_directory, open_dcp
 from .entries import Entry, MemorySource
 from .files import LegacyTorchFile, SafetensorsFile, TorchFile, is_torch_zip
 from .index import inside, read_index
@@ -63,6 +66,8 @@ def open_source(source) -> tuple[dict, str]:
             f"file or a directory of them; got {type(source).__name__}"
         ) from None
     if os.path.isdir(path):
+        if is_dcp_directory(path):
+            return open_dcp(path), path
         return _directory(path), path
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.", os.path.abspath(path))

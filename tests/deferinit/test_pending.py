@@ -11,6 +11,7 @@ exactly in these cases, and are equal in the others.
 from __future__ import annotations
 
 import gc
+import threading
 import warnings
 
 import pytest
@@ -109,22 +110,81 @@ def test_no_warning_for_draws_that_are_not_real():
     materialize_module(other)
 
 
+def test_a_draw_on_a_deferred_tensor_naming_the_default_generator_equals_eager():
+    """``w.uniform_(generator=torch.default_generator)`` on a deferred tensor after
+    the block is recorded after the model's draws, as eagerly: no warning."""
+
+    def build(defer):
+        torch.manual_seed(0)
+        if defer:
+            with deferred():
+                m = nn.Linear(4, 4)
+        else:
+            m = nn.Linear(4, 4)
+        with torch.no_grad():
+            m.weight.uniform_(generator=torch.default_generator)
+        if defer:
+            materialize_module(m)
+        return m, torch.rand(3)
+
+    (e, e_next) = build(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PendingDrawsWarning)
+        (d, d_next) = build(True)
+    assert torch.equal(e.weight, d.weight) and torch.equal(e.bias, d.bias) and torch.equal(e_next, d_next)
+
+
+def _diverted() -> bool:
+    return torch.rand is not torch._C._VariableFunctions.rand
+
+
 def test_once_per_deferral_and_gone_with_the_record():
     users = pending.PATCHES[0].users
     with deferred():
         m = nn.Linear(2, 2)
-    assert pending.PATCHES[0].users == users + 1  # diverted while the record lives
+    assert pending.PATCHES[0].users == users + 1  # diverted while the record may warn
     assert torch.Tensor.uniform_ is not torch._C.TensorBase.uniform_
     with pytest.warns(PendingDrawsWarning):
         torch.rand(2)
+    # warned: it never will again, so nothing is diverted for it any more
+    assert pending.PATCHES[0].users == users
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch.rand(2)  # the generator moved: nothing is pending for this deferral any more
-    del m
-    gc.collect()
+        torch.rand(2)
+    with deferred():
+        other = nn.Linear(2, 2)
+    assert pending.PATCHES[0].users == users + 1
+    del other
+    gc.collect()  # a record that never warned: released when it dies
     assert pending.PATCHES[0].users == users
     if users == 0:
-        assert "uniform_" not in vars(torch.Tensor) and torch.rand is torch._C._VariableFunctions.rand
+        assert "uniform_" not in vars(torch.Tensor) and not _diverted()
+    del m
+
+
+@pytest.mark.parametrize("then", ["reseeded", "materialized", "generator set"])
+def test_a_deferral_that_can_no_longer_warn_stops_diverting_draws(then):
+    """Each real random call pays the check (microseconds: see
+    benchmarks/patch_overhead.py) while a deferral may warn: only until it can
+    no longer, not for as long as the record lives (a model kept deferred
+    while another one trains)."""
+    users = pending.PATCHES[0].users
+    with deferred() as record:  # held: the record outlives its model's fakes
+        m = nn.Linear(2, 2)
+    g = torch.Generator().manual_seed(1)
+    torch.rand(2, generator=g)  # a generator of the user's: the deferral may still warn
+    assert pending.PATCHES[0].users == users + 1
+    if then == "reseeded":
+        torch.manual_seed(3)
+    elif then == "materialized":
+        materialize_module(m)  # hands the generator over, as eager construction left it
+    else:
+        torch.set_rng_state(torch.Generator().manual_seed(5).get_state())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PendingDrawsWarning)
+        torch.rand(2)  # equals eager: no warning, and the record is retired
+    assert pending.PATCHES[0].users == users
+    del record
 
 
 def test_reseeding_to_the_same_seed_is_not_a_pending_draw():
@@ -197,3 +257,152 @@ def test_recording_while_the_draws_are_diverted_equals_eager():
     for a, b in ((first, d_first), (second, d_second)):
         assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert torch.equal(torch.rand(4), eager_next)
+
+
+def test_a_draw_found_pending_warns_though_another_thread_moves_the_generator_first(monkeypatch):
+    """A thread whose draw found the deferral pending warns after drawing; another
+    thread drawing meanwhile sees the generator moved (nothing pending for it)
+    and must not retire the deferral under the first one (its warning was lost)."""
+    users = pending.PATCHES[0].users
+    torch.manual_seed(0)
+    with deferred():
+        m = nn.Linear(2, 2)
+    real_warn = pending._warn
+    drawn, other_done = threading.Event(), threading.Event()
+
+    def warn_later(*args):  # the first thread, between its draw and its warning
+        drawn.set()
+        other_done.wait(30)
+        real_warn(*args)
+
+    monkeypatch.setattr(pending, "_warn", warn_later)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first = threading.Thread(target=torch.rand, args=(2,))
+        first.start()
+        assert drawn.wait(30)
+        monkeypatch.setattr(pending, "_warn", real_warn)
+        torch.rand(2)  # after the first thread's draw: as eagerly, no warning of its own
+        other_done.set()
+        first.join()
+    assert len(_pending(seen)) == 1 and str(_pending(seen)[0].message).startswith("torch.rand draws")
+    assert pending.PATCHES[0].users == users  # warned: retired
+    del m
+
+
+def test_deferrals_in_threads_hold_and_release_the_diversions_in_pairs():
+    """Threads deferring, drawing, seeding and dropping models at once: every
+    deferral warns at most once, and the diversions are held exactly while some
+    deferral may warn (the count back where it was, PyTorch's functions back)."""
+    users = pending.PATCHES[0].users
+    start = threading.Barrier(6)
+    errors = []
+
+    def work(i):
+        try:
+            own = torch.Generator().manual_seed(i)
+            start.wait(30)
+            for round in range(8):
+                with deferred():
+                    m = nn.Linear(8, 8)
+                action = (i + round) % 4
+                if action == 0:
+                    torch.rand(2)  # a real draw: pending for some deferral, or not
+                elif action == 1:
+                    torch.manual_seed(round)
+                elif action == 2:
+                    torch.rand(2, generator=own)  # never pending: keeps it watched
+                else:
+                    materialize_module(m)
+                del m
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert len(_pending(seen)) <= 6 * 8
+    gc.collect()
+    assert pending.PATCHES[0].users == pending.PATCHES[1].users == users
+    assert not pending._watched or users
+    if users == 0:
+        assert not _diverted() and "uniform_" not in vars(torch.Tensor)
+
+
+def test_a_deferral_retired_by_another_thread_as_it_closes_releases_what_it_holds(monkeypatch):
+    """Thread B seeds and draws while thread A's deferral is closing: B may retire
+    A's record only once A holds the diversions, or B releases what A has not
+    acquired yet."""
+    users = pending.PATCHES[0].users
+    with deferred():  # keeps the draws diverted, so that B's draw is checked
+        first = nn.Linear(2, 2)
+    patch, real_acquire = pending.PATCHES[0], pending.PATCHES[0].acquire
+    calls, counts = [], []
+
+    def reseed_and_draw():
+        torch.manual_seed(1)
+        torch.rand(2)
+
+    def acquire():  # A, closing its deferral: B seeds and draws now
+        if not calls:
+            calls.append(threading.Thread(target=reseed_and_draw))
+            calls[0].start()
+            calls[0].join(1)  # B waits for A's record to be held (or retires it now)
+            counts.append(patch.users)
+        real_acquire()
+
+    monkeypatch.setattr(patch, "acquire", acquire)
+    with deferred():
+        second = nn.Linear(2, 2)
+    monkeypatch.undo()
+    calls[0].join()
+    # B did not release what A had not acquired yet (the count went below the
+    # holders: a third deferral would have found the draws not diverted)
+    assert counts == [users + 1]
+    torch.manual_seed(2)
+    torch.rand(2)  # both deferrals can no longer warn: retired
+    assert pending.PATCHES[0].users == pending.PATCHES[1].users == users
+    del first, second
+    gc.collect()
+    assert pending.PATCHES[0].users == pending.PATCHES[1].users == users
+
+
+def test_a_draw_under_a_device_context_is_checked_on_that_device():
+    """``with torch.device("meta")``: the draw takes no CPU randomness, eagerly
+    or here (no warning), and the CPU generator stays where eager leaves it."""
+
+    def build(defer):
+        torch.manual_seed(0)
+        if defer:
+            with deferred():
+                m = nn.Linear(2, 2)
+        else:
+            m = nn.Linear(2, 2)
+        with torch.device("meta"):
+            x = torch.rand(3)
+        if defer:
+            materialize_module(m)
+        return m, x, torch.rand(4)
+
+    e, e_x, e_next = build(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PendingDrawsWarning)
+        d, d_x, d_next = build(True)
+    assert d_x.device == e_x.device and torch.equal(e.weight, d.weight) and torch.equal(e_next, d_next)
+
+
+def test_the_diverted_random_functions_pickle_as_pytorchs_do():
+    """By reference, to what ``torch.rand`` and ``torch.Tensor.uniform_`` are."""
+    import pickle
+
+    with deferred():
+        m = nn.Linear(2, 2)
+    assert torch.Tensor.uniform_ is not torch._C.TensorBase.uniform_
+    for f in (torch.rand, torch.Tensor.uniform_, torch.Tensor.normal_):
+        assert pickle.loads(pickle.dumps(f)) is f
+    del m

@@ -17,6 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
+
+from deferinit import deferred, is_deferred
+from fake import FakeIntoRealError, is_fake
+from materialize import materialize_module, materialize_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +29,7 @@ PRELUDE = """
 import torch, torch.nn as nn
 from deferinit import deferred, is_deferred
 from fake import FakeIntoRealError, fake_mode, is_fake
-from materialize import materialize_module
+from materialize import materialize_module, materialize_tensor
 """
 
 
@@ -231,3 +236,166 @@ def test_data_of_real_tensors_is_pytorchs_own():
     assert c.tolist() == [1.0, 2.0]
     with pytest.raises(RuntimeError, match="floating point or complex"):
         p.data = torch.arange(2)
+
+
+# -- found in review: hooks, inference mode, eager's refusals, the first fake ---------------
+
+
+def _hooked(p: torch.Tensor, calls: list) -> torch.Tensor:
+    p.register_hook(lambda g: g * 100)
+    p.register_post_accumulate_grad_hook(lambda t: calls.append(t.grad.clone()))
+    return p
+
+
+def test_gradient_hooks_of_a_real_tensor_given_a_fakes_memory_equal_eager():
+    """Eagerly ``p.data = t`` keeps ``p``'s hooks (they belong to ``p``, not to its
+    data); a real tensor becoming a fake in place, and materialized, keeps them too.
+    (They were moved away with the C++ tensor: gradients skipped them, silently.)"""
+
+    def build(defer):
+        torch.manual_seed(0)
+        calls = []
+        p = _hooked(nn.Parameter(torch.zeros(2)), calls)
+        if defer:
+            with deferred():
+                src = nn.Linear(3, 4)
+        else:
+            src = nn.Linear(3, 4)
+        p.data = src.weight
+        if defer:
+            materialize_module(src)
+            materialize_tensor(p)
+        (p * torch.arange(12.0).view(4, 3)).sum().backward()
+        return p, calls
+
+    (e, e_calls), (d, d_calls) = build(False), build(True)
+    assert torch.equal(e, d) and torch.equal(e.grad, d.grad)
+    assert torch.equal(d.grad, 100 * torch.arange(12.0).view(4, 3))
+    assert len(e_calls) == len(d_calls) == 1 and torch.equal(e_calls[0], d_calls[0])
+
+
+def test_gradient_hooks_registered_on_deferred_parameters_survive_materialization():
+    """The same exchange puts materialized tensors into the fake objects."""
+
+    def build(defer):
+        torch.manual_seed(0)
+        calls = []
+        if defer:
+            with deferred():
+                m = nn.Linear(3, 4)
+        else:
+            m = nn.Linear(3, 4)
+        _hooked(m.weight, calls)
+        if defer:
+            materialize_module(m)
+        m(torch.ones(2, 3)).sum().backward()
+        return m, calls
+
+    (e, e_calls), (d, d_calls) = build(False), build(True)
+    assert torch.equal(e.weight.grad, d.weight.grad) and torch.equal(e.bias.grad, d.bias.grad)
+    assert len(d_calls) == len(e_calls) == 1 and torch.equal(d_calls[0], e_calls[0])
+
+
+def test_data_set_to_a_fake_under_inference_mode_equals_eager():
+    """Eagerly allowed (the parameter stays a normal tensor); it raised PyTorch's
+    'Cannot set version_counter for inference tensor'."""
+
+    def build(defer):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.zeros(2))
+        if defer:
+            with deferred():
+                src = nn.Linear(3, 4)
+        else:
+            src = nn.Linear(3, 4)
+        with torch.inference_mode():
+            p.data = src.weight if defer else src.weight.detach()
+        if defer:
+            materialize_module(src)
+            materialize_tensor(p)
+        (p * 2).sum().backward()
+        return p
+
+    e, d = build(False), build(True)
+    assert not d.is_inference() and d.requires_grad and type(d) is nn.Parameter
+    assert torch.equal(e, d) and torch.equal(e.grad, d.grad)
+
+
+def _outcome(fn):
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001 - the outcome compared is the error
+        return type(e), None
+    return None, (out.dtype, out.device.type, tuple(out.shape))
+
+
+def test_what_eager_refuses_between_real_tensors_is_refused_with_a_fake():
+    """``.data =`` of tensors of incompatible kinds, ``set_`` across dtypes or
+    devices: eager's error, not a real tensor silently turned into a fake of
+    another kind; the tensor is left as it was."""
+    with deferred():
+        half, floats = torch.rand(3, dtype=torch.float16), torch.rand(3)
+
+    def data(t, x):
+        t.data = x
+        return t
+
+    cases = {
+        "set_ across dtypes": lambda x, h: torch.zeros(2).set_(h),
+        "set_ onto meta": lambda x, h: torch.zeros(2, device="meta").set_(x),
+        ".data of a meta tensor": lambda x, h: data(torch.zeros(2, device="meta"), x),
+        ".data of a sparse tensor": lambda x, h: data(torch.zeros(2, 2).to_sparse(), x),
+        ".data across dtypes (allowed)": lambda x, h: data(torch.zeros(2), h),
+    }
+    for name, case in cases.items():
+        eager = _outcome(lambda: case(torch.zeros(3), torch.zeros(3, dtype=torch.float16)))
+        ours = _outcome(lambda: case(floats, half))
+        assert ours == eager, name
+    # on a device the Fake layer stands for, as eagerly between CPU and CUDA tensors
+    with deferred():
+        on_cuda = torch.rand(3, device="cuda")
+    t = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="devices must match"):
+        t.set_(on_cuda)
+    assert not is_fake(t) and torch.equal(t, torch.zeros(2))
+    assert data(torch.zeros(2), on_cuda).device == torch.device("cuda", 0)
+    # set_ with a geometry reads the memory as the destination's dtype: not for a fake
+    t = torch.zeros(2)
+    with pytest.raises(FakeIntoRealError, match="reinterpreted"):
+        t.set_(half, 0, (1,), (1,))
+    assert not is_fake(t)
+
+
+def test_a_parameter_class_with_slots_is_refused_with_our_error():
+    class Slotted(nn.Parameter):
+        __slots__ = ("tag",)
+
+    with deferred():
+        f = torch.rand(3)
+    p = Slotted(torch.zeros(2))
+    with pytest.raises(FakeIntoRealError, match="Slotted cannot"):
+        p.data = f
+    assert not is_fake(p) and type(p) is Slotted and torch.equal(p, torch.zeros(2))
+
+
+def test_torch_is_left_alone_until_the_first_fake():
+    """Importing the packages changes nothing in torch.Tensor (a process that
+    never makes a fake runs PyTorch's own .data and set_); the first fake
+    installs them."""
+    out = isolated("""
+    import pickle
+    names = ("data", "set_")
+    assert not any(n in vars(torch.Tensor) for n in names), [n for n in names if n in vars(torch.Tensor)]
+    p = nn.Parameter(torch.zeros(2))
+    p.data = torch.ones(2)
+    assert torch.equal(p, torch.ones(2)) and not any(n in vars(torch.Tensor) for n in names)
+    with deferred():
+        m = nn.Linear(2, 2)
+    assert all(n in vars(torch.Tensor) for n in names)
+    assert pickle.loads(pickle.dumps(torch.Tensor.set_)) is torch.Tensor.set_
+    q = nn.Parameter(torch.zeros(4))
+    q.data = m.weight
+    assert is_deferred(q)
+    print("ok")
+    """)
+    assert "ok" in out

@@ -65,3 +65,58 @@ def test_fsdp1_loaded_before_wrapping(tmp_path):
     path, size = _checkpoint(workers.Wide, str(tmp_path))
     results = run_ranks(workers.case_fsdp1, 2, path, timeout=240)
     assert all(r["read"] >= size * 0.98 for r in results)  # full tensors, then FSDP1 shards them
+
+
+# -- issue 18 item 5: reading only what a rank keeps, running nothing overwritten -----------
+
+
+def _mlp_1023(folder, seed=7, name="mlp.safetensors"):
+    """dcp_workers.MLP: Linear(64, 1023) colwise, Linear(1023, 64) rowwise (uneven pieces)."""
+    import dcp_workers
+
+    torch.manual_seed(seed)
+    path = os.path.join(folder, name)
+    save_file(dcp_workers.MLP().state_dict(), path)
+    return path, os.path.getsize(path)
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_padded_tensor_parallel_piece_runs_no_initializer(order, tmp_path):
+    """Rank 1's piece of the 1023 rows is padded by DTensor; loaded after
+    parallelize_module it used to replay the full tensor's uniform_ draws."""
+    path, size = _mlp_1023(str(tmp_path))
+    results = run_ranks(workers.case_sharded_load, 2, path, "mlp", "tp", order, timeout=300)
+    for r in results:
+        assert r["random"] == []
+        assert r["read"] <= (0.5 + SLACK) * size + 4096, (r["read"], size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_2d_mesh_ranks_read_their_quarter(order, tmp_path):
+    """Tensor parallel inside FSDP2 on 2 x 2 ranks: each rank reads its quarter
+    of the sharded weights (and the replicated LayerNorm and row-parallel bias);
+    after the 2-D sharding too (_StridedShard placements)."""
+    path, size = _mlp_1023(str(tmp_path))
+    replicated = 4 * (64 + 64 + 64)  # norm.weight, norm.bias, down.bias: float32 [64] each
+    results = run_ranks(workers.case_sharded_load, 4, path, "mlp", "2d", order, timeout=400)
+    for r in results:
+        assert r["random"] == []
+        assert r["read"] <= (0.25 + SLACK) * size + replicated + 4096, (r["read"], size)
+
+
+def test_ranks_loading_different_checkpoints_before_parallelize_module(tmp_path):
+    """Default src_data_rank=0: eager gives every rank rank 0's rows.  Different
+    checkpoints on the two ranks: CollectiveError on both, naming the cause.
+    The same checkpoint under two names, ranks seeded differently: rank 0's
+    rows (the checkpoint's) on both, as eager."""
+    first, _ = _mlp_1023(str(tmp_path))
+    other, _ = _mlp_1023(str(tmp_path), seed=8, name="other.safetensors")
+    results = run_ranks(workers.case_divergent_sources, 2, [first, other], [0, 0], timeout=300)
+    for r in results:
+        assert r["error"] is not None and "another checkpoint loaded into it" in r["error"]
+    copy = os.path.join(str(tmp_path), "copy.safetensors")
+    with open(first, "rb") as src, open(copy, "wb") as dst:
+        dst.write(src.read())
+    results = run_ranks(workers.case_divergent_sources, 2, [first, copy], [0, 1], timeout=300)
+    assert [r["error"] for r in results] == [None, None]

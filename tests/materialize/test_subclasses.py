@@ -267,3 +267,23 @@ def test_other_threads_see_pytorchs_make_subclass():
     done.set()
     thread.join(30)
     assert seen == [True, True]
+
+
+def test_a_compiled_parameter_subclass_constructor_runs_as_eager_after_fakes_exist():
+    """Outside a fake mode ``_make_subclass`` is PyTorch's own: a compiled
+    ``Parameter`` subclass constructor meets what dynamo guarded on (a
+    diversion kept once fakes exist failed dynamo's guard on the same frame)."""
+    import torch._dynamo
+
+    with fake_mode():
+        Int8Params(torch.ones(2))  # fakes (and their subclasses) exist
+
+    def f(x):
+        return Int8Params(x * 2) + 1
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(f, backend="eager")(torch.ones(2))
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(out, f(torch.ones(2)))
