@@ -3,7 +3,7 @@
 Seeds are valid checkpoints of :class:`checkpoint_fuzz_worker.Holder`'s keys:
 a safetensors file; ``torch.save`` archives (torch's own layout with tensors
 that are strided views sharing storages, the same re-zipped by ``zipfile``
-stored and deflated, and a big-endian one); folders with an index over two
+stored and deflated, a big-endian one, and the same as a legacy non-zip file); folders with an index over two
 safetensors shards and over two ``torch.save`` shards.
 
 A mutant is a seed after one to three mutations drawn from a seeded
@@ -13,7 +13,10 @@ exactly what was done.  Mutations know the formats: safetensors headers
 JSON number forms, padding, nesting), zip archives (records shortened,
 swapped, renamed, removed, added, re-zipped; central-directory, local-header
 and end-record fields; the pickle's integers, keys, storage types and bytes
-with its CRC fixed; ``byteorder``; ``version``), index files (names leaving
+with its CRC fixed; the state dict shared, cyclic, nested too deep or keyed
+by tuples nested too deep; ``byteorder``; ``version``), legacy (non-zip)
+``torch.save`` files (their object pickle, storage counts, truncation),
+index files (names leaving
 the folder, missing files, wrong types, symbolic links); and plain bytes
 (truncation, bit flips, insertions, deletions, garbage appended).
 """
@@ -194,6 +197,30 @@ def _pickle_name(names):
     return next(n for n in names if n.endswith("data.pkl"))
 
 
+def _text(value: str) -> bytes:
+    return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+
+def _nesting(pkl: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """The state dict (memo 0, its items set by the final SETITEMS) nested in ways
+    ``torch.load`` reads and ``load_checkpoint`` refuses (no one path of dotted
+    keys per tensor, too deep, a tuple key); none deep enough to crash ``torch.load``."""
+    how = rng.choice(["shared", "cycle", "deep tuple", "tuple key", "deep dicts"])
+    body, end = pkl[2:-1], pkl[-2:]
+    if how == "shared":  # {"a": sd, "b": sd}
+        return b"\x80\x02}(" + _text("a") + body + _text("b") + b"h\x00u.", "pickle: the state dict under two keys"
+    if how == "cycle":  # sd["self"] = sd
+        return pkl[:-2] + _text("self") + b"h\x00" + end, "pickle: the state dict inside itself"
+    if how == "deep tuple":  # sd[((...((),)...),)] = 1, nested past the scan's limit but not deep enough to crash
+        depth = rng.choice([1001, 1500])
+        return pkl[:-2] + b")" + b"\x85" * depth + b"K\x01" + end, f"pickle: a key of tuples {depth} deep"
+    if how == "tuple key":  # sd[("x", 1)] = sd
+        return pkl[:-2] + _text("x") + b"K\x01\x86h\x00" + end, "pickle: a tuple key"
+    depth = rng.choice([101, 5000])  # sd["deep"] = {"k": {"k": ... None}}
+    return (pkl[:-2] + _text("deep") + (b"}" + _text("k")) * depth + b"N" + b"s" * depth + end,
+            f"pickle: dicts {depth} deep")
+
+
 def pickle_mutation(pkl: bytes, rng: random.Random) -> tuple[bytes, str]:
     ops = []
     try:
@@ -205,7 +232,7 @@ def pickle_mutation(pkl: bytes, rng: random.Random) -> tuple[bytes, str]:
     strings = [(op, arg, pos) for op, arg, pos in ops if op.name == "BINUNICODE"]
     globals_ = [(op, arg, pos) for op, arg, pos in ops if op.name == "GLOBAL"]
     bools = [pos for op, arg, pos in ops if op.name in ("NEWTRUE", "NEWFALSE")]
-    how = rng.choice(["int", "int", "int", "string", "global", "bool", "bytes"])
+    how = rng.choice(["int", "int", "int", "string", "global", "bool", "nesting", "bytes"])
     if how == "int" and ints:
         op, arg, pos = rng.choice(ints)
         width = {"BININT1": (1, "<B", 0, 255), "BININT2": (2, "<H", 0, 65535), "BININT": (4, "<i", -(2**31), 2**31 - 1)}[op.name]
@@ -227,6 +254,8 @@ def pickle_mutation(pkl: bytes, rng: random.Random) -> tuple[bytes, str]:
     if how == "bool" and bools:
         pos = rng.choice(bools)
         return pkl[:pos] + bytes([pkl[pos] ^ 1]) + pkl[pos + 1:], f"pickle bool at {pos} flipped"
+    if how == "nesting" and pkl.startswith(b"\x80\x02}q\x00") and pkl.endswith(b"u."):
+        return _nesting(pkl, rng)
     out, what = bytes_mutation(pkl, rng)
     return out, f"pickle bytes: {what}"
 
@@ -372,3 +401,42 @@ def index_mutation(folder: str, secret: str, rng: random.Random) -> str:
         json.dump(content, f)
     return what
 
+
+
+# -- legacy torch.save files ------------------------------------------------------
+
+
+def legacy_parts(blob: bytes) -> list:
+    """The spans of a legacy file's five pickles, then ``(count, data)`` spans of its storages."""
+    f = io.BytesIO(blob)
+    spans = []
+    for _ in range(5):
+        start = f.tell()
+        for _op in pickletools.genops(f):
+            pass
+        spans.append((start, f.tell()))
+    return spans
+
+
+def legacy_mutation(blob: bytes, rng: random.Random) -> tuple[bytes, str]:
+    """A legacy (non-zip) ``torch.save`` file's object pickle, storage counts or storage bytes changed."""
+    try:
+        spans = legacy_parts(blob)
+    except Exception:  # noqa: BLE001 - already broken
+        return bytes_mutation(blob, rng)
+    start, end = spans[3]
+    how = rng.choice(["pickle", "pickle", "pickle", "count", "truncate", "keys"])
+    if how == "pickle":
+        new, what = pickle_mutation(blob[start:end], rng)
+        return blob[:start] + new + blob[end:], f"legacy object {what}"
+    data_at = spans[4][1]
+    if how == "count" and len(blob) >= data_at + 8:
+        count = struct.unpack_from("<q", blob, data_at)[0]
+        new = rng.choice([count + 1, count - 1, 0, 2 * count, 2**40, -1])
+        return blob[:data_at] + struct.pack("<q", new) + blob[data_at + 8:], f"legacy first storage count {count} -> {new}"
+    if how == "keys":
+        k0, k1 = spans[4]
+        new, what = pickle_mutation(blob[k0:k1], rng)
+        return blob[:k0] + new + blob[k1:], f"legacy keys {what}"
+    cut = rng.randrange(data_at, len(blob))
+    return blob[:cut], f"legacy truncated at {cut} of {len(blob)}"

@@ -64,6 +64,10 @@ MODULES = [
     "materialize.checkpoint.safetensors_header",
     "materialize.checkpoint.torch_zip",
     "materialize.checkpoint.torch_pickle",
+    "materialize.checkpoint.pickle_scan",
+    "materialize.checkpoint.torch_legacy",
+    "materialize.checkpoint.nested",
+    "materialize.checkpoint.files",
     "materialize.checkpoint.undo",
     "materialize.checkpoint.fingerprints",
 ]

@@ -17,6 +17,7 @@ at least that its header still says the same about every tensor.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 import numpy
@@ -27,6 +28,8 @@ from deferinit.errors import CheckpointError, CheckpointNotFoundError, Checkpoin
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
 from .safetensors_header import HeaderError, read_header
+from .nested import flatten_tensors
+from .torch_legacy import parse_legacy
 from .torch_pickle import PickleError, check_geometry, unpickle
 from .torch_zip import Archive, ArchiveError
 
@@ -44,8 +47,8 @@ class CheckpointFile:
     """
 
     kind = "checkpoint"
-    # What a file of this kind must be, for error messages.
-    what = "a checkpoint file"
+    # What a file of this kind is not when it is refused, for error messages.
+    what = "not a checkpoint file"
 
     def __init__(self, path: str):
         self.path = os.path.abspath(os.fspath(path))
@@ -69,11 +72,11 @@ class CheckpointFile:
     def parse(self, error) -> dict:
         """Read and check the header; ``error``: the class to raise."""
         try:
-            with open(self.path, "rb") as f:
+            with open_regular(self.path, error) as f:
                 st = os.fstat(f.fileno())
                 entries = self._parse(f, st.st_size)
         except (HeaderError, ArchiveError, PickleError) as e:
-            raise error(f"{self.path} is not {self.what}: {e}.") from None
+            raise error(f"{self.path} is {self.what}: {e}.") from None
         except OSError as e:
             raise error(f"cannot read {self.path}: {e.strerror or e}") from None
         self.identity = _identity(st)
@@ -108,7 +111,10 @@ class CheckpointFile:
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         try:
-            fd = os.open(self.path, os.O_RDONLY)
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(0, "it is no longer a regular file")
         except OSError as e:
             raise CheckpointReadError(
                 f"cannot read {entry.describe()}: {e.strerror or e}. Nothing was changed; the tensors stay deferred."
@@ -156,7 +162,7 @@ class SafetensorsFile(CheckpointFile):
     """A ``.safetensors`` file, its header checked as the safetensors library checks it."""
 
     kind = "safetensors"
-    what = "a valid safetensors file"
+    what = "not a valid safetensors file"
 
     def _parse(self, f, size: int) -> dict:
         _, tensors = read_header(f, size)
@@ -175,7 +181,7 @@ class TorchFile(CheckpointFile):
     """
 
     kind = "torch"
-    what = "a torch.save archive that torch.load(weights_only=True) reads"
+    what = "not a torch.save archive that torch.load(weights_only=True) reads"
 
     def __init__(self, path: str):
         super().__init__(path)
@@ -196,21 +202,29 @@ class TorchFile(CheckpointFile):
                 )
             return info, archive.position(info)
 
-        obj, storages = unpickle(archive.pickle(), lookup)
+        return self._entries(*unpickle(archive.pickle(), lookup), swap)
+
+    def _entries(self, obj, storages: dict, swap: bool) -> dict:
+        """The entries of the tensors in ``obj``, unpickled onto the meta storages
+        ``storages``; ``swap``: the archive is big-endian."""
         entries, records = {}, {}
-        for key, t in flatten_tensors(obj):
-            storage = storages.get(t.untyped_storage()._cdata) if t.is_meta else None
-            if storage is None or type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        # Through the class: a pickle can set attributes that shadow a tensor's methods.
+        T = torch.Tensor
+        for key, t in flatten_tensors(obj, PickleError, "its pickle"):
+            dense = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.is_meta
+            storage = storages.get(T.untyped_storage(t)._cdata) if dense else None
+            if storage is None:
                 raise PickleError(f"{key!r} is not a dense tensor stored in the archive")
-            if t.is_conj() or t.is_neg():
+            if T.is_conj(t) or T.is_neg(t):
                 raise PickleError(f"{key!r} is saved as a conjugate or negative view, which load_checkpoint does not read")
-            check_geometry(t.storage_offset(), t.shape, t.stride(), t.element_size(), storage.nbytes, repr(key))
+            offset, strides, itemsize = T.storage_offset(t), T.stride(t), t.dtype.itemsize
+            check_geometry(offset, t.shape, strides, itemsize, storage.nbytes, repr(key))
             unit = storage.swap_unit() if swap else 1
-            if unit > 1 and unit != t.element_size() and not (t.is_complex() and 2 * unit == t.element_size()):
+            if unit > 1 and unit != itemsize and not (t.dtype.is_complex and 2 * unit == itemsize):
                 raise PickleError(f"{key!r} is {t.dtype} over a big-endian {storage.dtype} storage")
-            info, position = storage.info
-            deflated = None if info.compress_type == 0 else info.orig_filename
-            entries[key] = Entry(self, key, t.dtype, tuple(t.shape), position, t.storage_offset(), t.stride())
+            info, position = storage.info or (None, 0)
+            deflated = None if info is None or info.compress_type == 0 else info.orig_filename
+            entries[key] = Entry(self, key, t.dtype, tuple(t.shape), position, offset, strides)
             records[key] = (deflated, unit)
         self.records = records
         return entries
@@ -256,17 +270,49 @@ class TorchFile(CheckpointFile):
         return read
 
 
-def flatten_tensors(obj, prefix: str = ""):
-    """``(dotted key, tensor)`` for every tensor in nested dicts (other values skipped)."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k))
+class LegacyTorchFile(TorchFile):
+    """A legacy ``torch.save`` file (``_use_new_zipfile_serialization=False``),
+    read by position like an archive (:mod:`.torch_legacy`), never by ``torch.load``."""
+
+    # Tried last, when the file is neither a zip archive nor a safetensors file.
+    what = "neither a safetensors file nor a torch.save file that torch.load(weights_only=True) reads"
+
+    def _parse(self, f, size: int) -> dict:
+        return self._entries(*parse_legacy(f, size), False)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path: str, error=CheckpointError):
+    """``path`` open for reading in binary, refused (``error``) unless it is a
+    regular file: a FIFO would block forever, a device never ends.
+
+    Example::
+
+        >>> open_regular("/dev/zero")
+        Traceback (most recent call last):
+        ...
+        deferinit.errors.CheckpointError: /dev/zero is a character device, not a regular file: ...
+    """
+    try:
+        # Non-blocking: opening a FIFO would wait for a writer.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.", os.path.abspath(path)) from None
+    except OSError as e:
+        raise error(f"cannot open {os.path.abspath(path)}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = next((name for test, name in _KINDS if test(mode)), "not a file")
+        raise error(f"{os.path.abspath(path)} is {kind}, not a regular file: load_checkpoint reads checkpoint files only.")
+    return os.fdopen(fd, "rb")
 
 
 def is_torch_zip(path: str) -> bool:
     """Whether ``torch.load`` reads ``path`` as a zip archive: it begins with a
     zip local header (``torch.serialization._is_zipfile``)."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         return f.read(4) == b"PK\x03\x04"

@@ -18,6 +18,11 @@ import os
 
 from deferinit.errors import CheckpointError
 
+from .files import open_regular
+
+# An index names each tensor's file: transformers' largest are a few MiB.
+MAX_INDEX = 64 << 20
+
 
 def _within(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
@@ -68,10 +73,14 @@ def inside(folder: str, name, what: str) -> str:
 
 
 def read_index(index: str) -> dict:
-    """``key -> file name`` of an index file, its structure checked."""
+    """``key -> file name`` of an index file, its structure checked; a FIFO,
+    a device or a file of more than ``MAX_INDEX`` bytes is refused."""
     try:
-        with open(index, "rb") as f:
-            content = json.loads(f.read().decode("utf-8"))
+        with open_regular(index) as f:
+            text = f.read(MAX_INDEX + 1)
+        if len(text) > MAX_INDEX:
+            raise CheckpointError(f"the index {index} has more than {MAX_INDEX} bytes (load_checkpoint reads at most that).")
+        content = json.loads(text.decode("utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"cannot read the index {index}: {type(e).__name__}: {e}") from None
     if not isinstance(content, dict):

@@ -3,8 +3,8 @@
 * a state dict (a mapping of names to tensors; nested dicts are flattened
   with dots; values that are not tensors are ignored);
 * a ``.safetensors`` file;
-* a ``torch.save`` file (read with ``weights_only=True``; a zip archive is
-  read by position like safetensors, a legacy archive at once);
+* a ``torch.save`` file (what ``torch.load(weights_only=True)`` reads; a
+  zip archive or a legacy file, read by position like safetensors);
 * a directory written by ``torch.distributed.checkpoint.save`` (a
   ``.metadata`` file and ``.distcp`` files; see :mod:`.dcp`);
 * another directory: transformers' ``model.safetensors.index.json`` (or
@@ -30,8 +30,9 @@ from fake import is_fake
 
 from .dcp import is_dcp_directory, open_dcp
 from .entries import Entry, MemorySource
-from .files import SafetensorsFile, TorchFile, flatten_tensors, is_torch_zip
+from .files import LegacyTorchFile, SafetensorsFile, TorchFile, is_torch_zip
 from .index import inside, read_index
+from .nested import flatten_tensors
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
@@ -58,7 +59,7 @@ def open_source(source) -> tuple[dict, str]:
     if isinstance(source, Mapping):
         return _state_dict(source), "the state dict"
     try:
-        path = os.fspath(source)
+        path = os.fsdecode(os.fspath(source))
     except TypeError:
         raise TypeError(
             "load_checkpoint() expects a state dict, or the path of a .safetensors file, a torch.save "
@@ -74,18 +75,11 @@ def open_source(source) -> tuple[dict, str]:
 
 
 def open_file(path: str) -> dict:
-    """``key -> Entry`` of the file at ``path``: a safetensors file, a
-    ``torch.save`` zip archive, or (a legacy ``torch.save`` archive) a state
-    dict read at once."""
+    """``key -> Entry`` of the file at ``path``: a safetensors file, or a
+    ``torch.save`` file (a zip archive, or the legacy format); headers only."""
     if path.endswith(".safetensors"):
         return SafetensorsFile.open(path)
-    try:
-        zipped = is_torch_zip(path)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"no checkpoint at {os.path.abspath(path)}: no such file or directory.", os.path.abspath(path)) from None
-    except OSError as e:
-        raise CheckpointError(f"cannot open the checkpoint {os.path.abspath(path)}: {e.strerror or e}") from None
-    if zipped:
+    if is_torch_zip(path):
         return TorchFile.open(path)
     try:
         return SafetensorsFile.open(path)
@@ -93,14 +87,7 @@ def open_file(path: str) -> dict:
         raise
     except CheckpointError:
         pass
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise CheckpointError(
-            f"{os.path.abspath(path)} is neither a safetensors file nor a torch.save file "
-            f"(torch.load(weights_only=True) says {type(e).__name__}: {e})."
-        ) from None
-    return _state_dict(dict(flatten_tensors(obj)))
+    return LegacyTorchFile.open(path)
 
 
 def _state_dict(sd: Mapping) -> dict:
@@ -151,9 +138,10 @@ def _directory(path: str) -> dict:
                 raise CheckpointError(f"{index} puts {key!r} in {name}, which has no such tensor.")
             entries[key] = entry
         return entries
-    names = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    # The folder's name may hold glob's own characters ("ckpt[1]").
+    names = sorted(glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
     if not names:
-        names = sorted(n for ext in ("bin", "pt", "pth") for n in glob.glob(os.path.join(path, f"*.{ext}")))
+        names = sorted(n for ext in ("bin", "pt", "pth") for n in glob.glob(os.path.join(glob.escape(path), f"*.{ext}")))
     if not names:
         raise CheckpointError(f"{os.path.abspath(path)} holds no *.safetensors, *.bin, *.pt or *.pth file.")
     for name in names:

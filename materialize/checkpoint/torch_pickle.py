@@ -12,8 +12,9 @@ and inside the storage.  On a CPU storage ``set_`` would instead grow the
 storage, so ``torch.load`` gives uninitialised memory for a tensor reaching
 past its record; such a file is refused.
 
-The pickle is first scanned for the globals it names (the allowlist's own
-scanner): besides what a state dict needs, the allowlist has sparse,
+The pickle is first walked (:mod:`.pickle_scan`): one that would crash
+the unpickler is refused, and so are the globals it names that a state
+dict does not need: besides those, the allowlist has sparse,
 quantized, nested and wrapper-subclass rebuilds and legacy tensor classes
 that build CPU tensors; those are refused, since ``load_checkpoint`` reads
 dense tensors stored in the archive.
@@ -22,6 +23,7 @@ dense tensors stored in the archive.
 from __future__ import annotations
 
 import io
+import reprlib
 import math
 import operator
 
@@ -29,7 +31,8 @@ import torch
 from torch import _weights_only_unpickler as weights_only
 from torch.overrides import TorchFunctionMode
 
-from .torch_zip import ArchiveError
+from .pickle_scan import NeedMore, ScanError, scan
+from .torch_zip import MAX_PICKLE, ArchiveError
 
 _I64 = 2**63 - 1
 _REFUSED_FUNCTIONS = (
@@ -40,6 +43,26 @@ _REFUSED_FUNCTIONS = (
 
 class PickleError(ValueError):
     """What is wrong with an archive's pickle (the caller names the file)."""
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 40, 40, 40
+_SHORT.maxtuple = _SHORT.maxlist = _SHORT.maxdict = _SHORT.maxset = _SHORT.maxfrozenset = 4
+
+
+def short(value) -> str:
+    """``value`` for an error message, in bounded work: a pickle's lists may
+    share themselves through its memo, so that ``str`` would never return.
+
+    Example::
+
+        >>> nested = []
+        >>> for _ in range(100):
+        ...     nested = [nested, nested]
+        >>> short(nested)
+        '[[[...], [...]], [[...], [...]]]'
+    """
+    return _SHORT.repr(value)
 
 
 def _allowed_globals() -> set:
@@ -75,16 +98,16 @@ class _Storages:
 
     def persistent_load(self, saved_id):
         if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-            raise PickleError(f"a persistent id is {type(saved_id).__name__} {str(saved_id)[:60]}, not a storage")
+            raise PickleError(f"a persistent id is {type(saved_id).__name__} {short(saved_id)}, not a storage")
         if torch.serialization._maybe_decode_ascii(saved_id[0]) != "storage":
-            raise PickleError(f"a persistent id names {str(saved_id[0])[:40]}, not a storage")
+            raise PickleError(f"a persistent id names {short(saved_id[0])}, not a storage")
         storage_type, key, location, numel = saved_id[1:]
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         if key in self.by_key:  # torch.load reuses a storage it read, whatever else the id says
             return self.by_key[key]
         nbytes = numel * torch._utils._element_size(dtype)
         if type(nbytes) is not int or nbytes < 0:
-            raise PickleError(f"storage {str(key)[:40]} has {str(numel)[:40]} elements")
+            raise PickleError(f"storage {short(key)} has {short(numel)} elements")
         torch.serialization._maybe_decode_ascii(location)
         name = f"data/{key}"
         info = self.lookup(name, nbytes)
@@ -165,24 +188,48 @@ def unpickle(data: bytes, lookup):
         >>> obj["w"].shape, obj["w"].device, [r.name for r in records.values()]
         (torch.Size([2, 3]), device(type='meta'), ['data/0'])
     """
-    try:
-        names = weights_only.get_globals_in_pkl(io.BytesIO(data))
-    except Exception as e:  # noqa: BLE001 - a corrupt pickle, whatever the exception
-        raise PickleError(f"its pickle cannot be read ({type(e).__name__}: {e})") from None
+    storages = _Storages(lookup)
+    obj = load_pickle(io.BytesIO(data), len(data), storages.persistent_load)
+    return obj, storages.records
+
+
+def load_pickle(f, end: int, persistent_load=None, limit: int = MAX_PICKLE):
+    """The object of the pickle at ``f``'s position (``f`` is left after it; the
+    file ends at ``end``), read by the weights-only unpickler once
+    :func:`.pickle_scan.scan` found it safe to run; its storages are given by
+    ``persistent_load`` (None: it may have none), every ``set_`` is checked."""
+    start = f.tell()
+    most = min(limit, end - start)
+    size = min(1 << 20, most)
+    while True:
+        f.seek(start)
+        data = f.read(size)
+        try:
+            names, stop = scan(data)
+            break
+        except NeedMore:
+            if size < most and len(data) == size:
+                size = min(4 * size, most)
+                continue
+            if most == limit and end - start > limit:
+                raise PickleError(f"its pickle is longer than {limit} bytes (load_checkpoint reads at most that)") from None
+            raise PickleError("its pickle ends before its STOP opcode") from None
+        except ScanError as e:
+            raise PickleError(str(e)) from None
     unknown = sorted(names - _allowed_globals())
     if unknown:
         raise PickleError(
             f"its pickle uses {', '.join(unknown[:3])}: load_checkpoint reads dense tensors stored in the "
             "archive, under the globals torch.load(weights_only=True) allows"
         )
-    storages = _Storages(lookup)
-    unpickler = weights_only.Unpickler(io.BytesIO(data), encoding="utf-8")
-    unpickler.persistent_load = storages.persistent_load
+    f.seek(start + stop)
+    unpickler = weights_only.Unpickler(io.BytesIO(data[:stop]), encoding="utf-8")
+    if persistent_load is not None:
+        unpickler.persistent_load = persistent_load
     try:
         with _CheckedSet():
-            obj = unpickler.load()
+            return unpickler.load()
     except Exception as e:  # noqa: BLE001
         if isinstance(e, (PickleError, ArchiveError)):
             raise
         raise PickleError(f"torch.load(weights_only=True) would refuse its pickle ({type(e).__name__}: {str(e)[:300]})") from None
-    return obj, storages.records

@@ -21,8 +21,17 @@ import zipfile
 
 # torch.load reads records of these format versions (caffe2/serialize/versions.h).
 _VERSIONS = range(1, 11)
-# data.pkl larger than this is refused (read into memory whole, as torch.load does).
-MAX_PICKLE = 1 << 30
+# data.pkl larger than this is refused: it is read into memory whole, as
+# torch.load does, and run by a pure-Python unpickler at about a microsecond
+# an opcode, each of which may push a value (a state dict takes about 130
+# bytes a tensor: 64 MiB is half a million tensors).  A deflated record of
+# that size fits in 64 KiB of file.
+MAX_PICKLE = 64 << 20
+# The other records torch.load reads (version, byteorder...) hold a few bytes.
+MAX_SMALL_RECORD = 1 << 16
+# zipfile keeps about 600 bytes a member (miniz, in torch.load, about 50): a
+# directory of at most 64 MiB (half a million records) costs at most ~400 MiB.
+MAX_DIRECTORY = 64 << 20
 _LOWER = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz")
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _ENCRYPTED, _PATCHED, _STRONG, _MASKED = 0x1, 0x20, 0x40, 0x2000
@@ -53,9 +62,14 @@ class Archive:
         self.f = f
         self.size = size
         try:
+            end = zipfile._EndRecData(f)
+            if end and end[zipfile._ECD_SIZE] > MAX_DIRECTORY:
+                raise ArchiveError(
+                    f"its central directory has {end[zipfile._ECD_SIZE]} bytes (load_checkpoint reads at most "
+                    f"{MAX_DIRECTORY})"
+                )
             self.zip = zipfile.ZipFile(f)
             infos = self.zip.infolist()
-            end = zipfile._EndRecData(f)
         except ArchiveError:
             raise
         except Exception as e:  # noqa: BLE001 - zipfile raises many kinds on corrupt input
@@ -178,12 +192,14 @@ class Archive:
         except Exception as e:  # noqa: BLE001
             raise ArchiveError(f"member {info.orig_filename!r}: {type(e).__name__}: {e}") from None
 
-    def read(self, info) -> bytes:
-        """A record's bytes (decompressed, its CRC checked)."""
+    def read(self, info, limit: int = MAX_SMALL_RECORD) -> bytes:
+        """A record's bytes (decompressed, its CRC checked), refused beyond ``limit``."""
         if isinstance(info, str):
             name, info = info, self.get(info)
             if info is None:
                 raise ArchiveError(f"it has no {name} record")
+        if info.file_size > limit:
+            raise ArchiveError(f"member {info.orig_filename!r} has {info.file_size} bytes (load_checkpoint reads at most {limit})")
         try:
             with self._open(info) as member:
                 data = member.read()
@@ -242,6 +258,4 @@ class Archive:
         info = self.get("data.pkl")
         if info is None:
             raise ArchiveError("it has no data.pkl record")
-        if info.file_size > MAX_PICKLE:
-            raise ArchiveError(f"its data.pkl is {info.file_size} bytes (at most {MAX_PICKLE} are read)")
-        return self.read(info)
+        return self.read(info, MAX_PICKLE)

@@ -1,7 +1,8 @@
 """Mutation fuzzing of checkpoint files: every byte sequence is untrusted input.
 
 Valid checkpoints (a safetensors file; ``torch.save`` archives in torch's
-layout, re-zipped stored and deflated, and big-endian; folders with an index
+layout, re-zipped stored and deflated, big-endian, and the legacy non-zip
+format; folders with an index
 over safetensors or ``torch.save`` shards) are corrupted by
 tests/checkpoint_mutations.py, and each mutant is checked by
 tests/checkpoint_fuzz_worker.py against the reference loaders: either
@@ -31,7 +32,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoint_mutations import bytes_mutation, index_mutation, safetensors_mutation, torch_mutation
+from checkpoint_mutations import bytes_mutation, index_mutation, legacy_mutation, safetensors_mutation, torch_mutation
 from checkpoint_zip import rezip
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,6 +116,8 @@ def make_seeds(root: str) -> dict:
         seeds[name] = ("torch", "torch", path)
     seeds["big"] = ("torch", "torch", os.path.join(root, "big.pt"))
     big_endian(torch_path, seeds["big"][2])
+    seeds["legacy"] = ("torch", "torch", os.path.join(root, "legacy.pt"))
+    torch.save(views, seeds["legacy"][2], _use_new_zipfile_serialization=False)
     keys = sorted(contig)
     halves = [{k: contig[k] for k in keys[:4]}, {k: contig[k] for k in keys[4:]}]
     for name, save, ext in (("model", save_file, "safetensors"), ("pytorch_model", torch.save, "bin")):
@@ -145,7 +148,7 @@ def make_mutant(seeds: dict, group: str, i: int, root: str) -> dict:
     else:
         with open(src, "rb") as f:
             blob = f.read()
-        mutate = safetensors_mutation if kind == "safetensors" else torch_mutation
+        mutate = safetensors_mutation if kind == "safetensors" else legacy_mutation if name == "legacy" else torch_mutation
         for _ in range(steps):
             how = mutate if rng.random() < 0.85 else bytes_mutation
             try:
