@@ -398,7 +398,7 @@ def test_a_tuple_sharing_itself_that_hashes_forever_is_refused(tmp_path):
     assert os.path.getsize(path) < 10_000
     # torch.load hashes the 2**60-element key: it would run for centuries
     with pytest.raises(subprocess.TimeoutExpired):
-        child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=20)
+        child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=8)
     with_pickle(path, _shared_tuples(10))  # 2**10: torch.load reads it
     child(f"import torch; assert len(torch.load({path!r}, weights_only=True)) == 2").check_returncode()
     with_pickle(path, _shared_tuples(60))
@@ -434,7 +434,7 @@ def test_an_error_about_a_value_that_shares_itself_is_bounded(tmp_path):
     with_pickle(path, _storage_of_shared_lists(60))
     # torch.load never returns either: it formats the list for its error message
     with pytest.raises(subprocess.TimeoutExpired):
-        child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=20)
+        child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=8)
     ours = child(f"""
         import torch
         from deferinit import CheckpointError
