@@ -39,6 +39,7 @@ from deferinit.errors import CheckpointError, CheckpointNotFoundError, Checkpoin
 from .dcp_chunks import chunk_layout, read_into
 from .dcp_metadata import METADATA, read_metadata, tensors
 from .entries import Entry, contiguous_strides
+from .files import open_to_read
 
 
 def is_dcp_directory(path: str) -> bool:
@@ -207,15 +208,7 @@ class DcpTensor:
         done = 0
         for name, items in work.items():
             full = os.path.join(self.checkpoint.path, name)
-            try:
-                fd = os.open(full, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointReadError(
-                    f"cannot read {entry.describe()}: {e.strerror or e}. Nothing was changed; the tensors stay deferred."
-                ) from None
-            if hasattr(os, "posix_fadvise"):
-                # Exactly the bytes asked for: no readahead into a shard another rank reads.
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            fd = open_to_read(full, entry)
             try:
                 for chunk, layout, (at, extent) in items:
                     view = dst

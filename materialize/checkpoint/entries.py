@@ -16,16 +16,8 @@ import math
 
 import torch
 
+from deferinit.boxes import contiguous_strides  # noqa: F401 (re-exported)
 from deferinit.errors import CheckpointError, CheckpointReadError
-
-
-def contiguous_strides(shape) -> tuple:
-    strides = []
-    step = 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 class Entry:

@@ -110,18 +110,7 @@ class CheckpointFile:
         return read
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
-        try:
-            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise OSError(0, "it is no longer a regular file")
-        except OSError as e:
-            raise CheckpointReadError(
-                f"cannot read {entry.describe()}: {e.strerror or e}. Nothing was changed; the tensors stay deferred."
-            ) from None
-        if hasattr(os, "posix_fadvise"):
-            # Exactly the bytes asked for: no readahead into a shard another rank reads.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        fd = open_to_read(self.path, entry)
         try:
             return copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
         finally:
@@ -283,6 +272,24 @@ class LegacyTorchFile(TorchFile):
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_to_read(path: str, entry) -> int:
+    """A descriptor of ``path`` (still a regular file) for reading ``entry``'s bytes
+    by position; :class:`CheckpointReadError` if it cannot be read now."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(0, "it is no longer a regular file")
+    except OSError as e:
+        raise CheckpointReadError(
+            f"cannot read {entry.describe()}: {e.strerror or e}. Nothing was changed; the tensors stay deferred."
+        ) from None
+    if hasattr(os, "posix_fadvise"):
+        # Exactly the bytes asked for: no readahead into a shard another rank reads.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
 
 
 def open_regular(path: str, error=CheckpointError):
