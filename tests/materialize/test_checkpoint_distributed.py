@@ -23,6 +23,11 @@ pytestmark = [
 # What a rank may read beyond its share: replicated tensors (LayerNorm, the
 # row-parallel bias), the header, Python's own small reads.
 SLACK = 0.02
+# rchar counts every read() of the process, not only the file's: gloo's socket
+# reads of the recipe comparison and lazily imported modules add a few KiB that
+# vary from run to run (4 KiB was exceeded by 124 bytes once), far below a
+# second quarter of the file.
+OTHER_READS = 16384
 
 
 def _checkpoint(cls, folder):
@@ -49,7 +54,7 @@ def test_tensor_parallel_ranks_read_their_blocks_only(order, src_data_rank, tmp_
     results = run_ranks(workers.case_tp, 2, path, order, src_data_rank, timeout=240)
     for r in results:
         assert r["random"] == []
-        assert r["read"] <= (0.5 + SLACK) * size + 4096, (r["read"], size)
+        assert r["read"] <= (0.5 + SLACK) * size + OTHER_READS, (r["read"], size)
 
 
 def test_fsdp2_missing_keys_keep_their_initialization(tmp_path):
@@ -88,7 +93,7 @@ def test_padded_tensor_parallel_piece_runs_no_initializer(order, tmp_path):
     results = run_ranks(workers.case_sharded_load, 2, path, "mlp", "tp", order, timeout=300)
     for r in results:
         assert r["random"] == []
-        assert r["read"] <= (0.5 + SLACK) * size + 4096, (r["read"], size)
+        assert r["read"] <= (0.5 + SLACK) * size + OTHER_READS, (r["read"], size)
 
 
 @pytest.mark.slow
@@ -102,7 +107,7 @@ def test_2d_mesh_ranks_read_their_quarter(order, tmp_path):
     results = run_ranks(workers.case_sharded_load, 4, path, "mlp", "2d", order, timeout=400)
     for r in results:
         assert r["random"] == []
-        assert r["read"] <= (0.25 + SLACK) * size + replicated + 4096, (r["read"], size)
+        assert r["read"] <= (0.25 + SLACK) * size + replicated + OTHER_READS, (r["read"], size)
 
 
 def test_ranks_loading_different_checkpoints_before_parallelize_module(tmp_path):
