@@ -32,7 +32,6 @@ import sys
 
 from . import commands
 from .errors import CommandError, ConstructorError, TargetError, UsageError, one_line
-from .plan import plan
 
 PROG = "deferinit"
 
@@ -44,6 +43,14 @@ class _Parser(argparse.ArgumentParser):
         if message.startswith("the following arguments are required: TARGET"):
             message = "missing TARGET: module:callable, e.g. torch.nn:Transformer"
         self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
+def _plan(opts, out):
+    # Imported when planning only: MemTracker and FlopCounterMode's imports
+    # took 1.6 s of every command's start.
+    from .plan import plan
+
+    return plan(opts, out)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -124,7 +131,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-snapshot", metavar="FILE",
                    help="write a memory snapshot (FILE.pickle) that PyTorch's memory visualizer opens "
                         "(https://pytorch.org/memory_viz)")
-    p.set_defaults(run=plan)
+    p.set_defaults(run=_plan)
 
     p = sub.add_parser("demo", parents=[common], help="defer a 70B Llama-shaped model, inspect, draw, check a block",
                        description="Build a Llama-3-70B-shaped model deferred, print its table, draw it, "
