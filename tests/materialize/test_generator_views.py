@@ -10,6 +10,7 @@
   the generator's seed, so other threads' draws are not taken for them.
 """
 
+import sys
 import threading
 
 import pytest
@@ -57,6 +58,10 @@ class Drawing:
             self.error = e
 
     def __enter__(self):
+        # Switch threads often: with Python's 5 ms the deferrals could all run
+        # before the other thread got the interpreter again (seen in CI).
+        self.interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)
         self.thread.start()
         while self.draws < 10:  # it is really drawing
             pass
@@ -65,6 +70,7 @@ class Drawing:
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join(timeout=60)
+        sys.setswitchinterval(self.interval)
         assert not self.thread.is_alive(), "the drawing thread hung"
         if self.error is not None:
             raise self.error
