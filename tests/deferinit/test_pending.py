@@ -11,6 +11,8 @@ exactly in these cases, and are equal in the others.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -445,3 +447,30 @@ def test_a_record_collected_while_the_diversions_lock_is_held_does_not_deadlock(
     except subprocess.TimeoutExpired:
         pytest.fail("deadlock: the finalizer waited for a lock its own thread held")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_diverted_random_ops_are_every_aten_op_with_a_generator_argument():
+    """random_ops() asks operator by operator; PyTorch's full schema list gives the same names."""
+    names = {s.name[6:] for s in torch._C._jit_get_all_schemas()
+             if s.name.startswith("aten::") and any(a.name == "generator" for a in s.arguments)}
+    functions, methods = pending.random_ops()
+    assert functions == tuple(sorted(n for n in names if callable(getattr(torch, n, None))))
+    assert methods == tuple(sorted(n for n in names if callable(getattr(torch.Tensor, n, None))))
+    assert {"randn", "rand_like", "randperm", "normal"} <= set(functions)
+    assert {"uniform_", "normal_", "bernoulli_", "random_"} <= set(methods)
+
+
+def test_the_first_deferral_holds_no_table_of_every_operator_schema():
+    """Watching a deferral's draws looks up only the random ops' schemas, the first
+    time a process needs them: its anonymous memory grows by far less than the
+    5 MiB that parsing every operator schema keeps."""
+    code = (
+        "import torch\n"
+        "import deferinit.pending as p\n"
+        "assert not p._names\n"  # no deferral yet: nothing looked up
+        "def anon():\n"
+        "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon'))\n"
+        "a = anon(); p.random_ops(); print(anon() - a)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout.strip()) < 2048, out.stdout  # KiB
