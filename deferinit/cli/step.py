@@ -23,14 +23,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+from torch.utils.weak import WeakIdKeyDictionary
 
+from deferinit.cli.foreach import ChunkedForeach
 from fake.device import backend_device
 
 #: What each of PyTorch's memory categories counts, in the report's words.
@@ -68,9 +69,10 @@ class _Adjusted:
       the C++ device of its local tensor, which for a fake CUDA tensor on a
       build without CUDA is CPU.
     * ``_update_peak_stats``, run after every operator, visits only the
-      modules running (``_mod_tracker.parents``) instead of every module
-      seen so far: the same updates, but the cost of a step no longer grows
-      with the square of the number of layers (80 layers: minutes -> seconds).
+      modules running (``_mod_tracker.parents``), found by name in an index
+      kept beside ``memory_tracking``, instead of every module seen so far:
+      the same updates, but the cost of a step no longer grows with the
+      square of the number of layers (80 layers: minutes -> seconds).
     * Every change to the running totals can be recorded (``timeline``, a
       :class:`~deferinit.cli.timeline.Timeline`): the step's memory over time.
     """
@@ -85,10 +87,12 @@ class _Adjusted:
     def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
         return super()._update_and_maybe_create_winfos(_local(t), reftype, update_existing)
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.memory_tracking = _StatsByModule()
+
     def _update_peak_stats(self, peak_state) -> None:
-        by_name = self.__dict__.get("_stats_by_name")
-        if by_name is None or len(by_name) != len(self.memory_tracking):
-            by_name = self.__dict__["_stats_by_name"] = {s.mod_fqn: s for s in self.memory_tracking.values()}
+        by_name = self.memory_tracking.by_name
         curr_snap = self._curr_mem_snap
         for name in self._mod_tracker.parents:
             mod_stats = by_name.get(name)
@@ -96,11 +100,29 @@ class _Adjusted:
                 for dev, dev_snap in curr_snap.items():
                     if mod_stats.local_peak.get(dev, 0) < dev_snap["Total"]:
                         mod_stats.local_peak[dev] = dev_snap["Total"]
-                        mod_stats.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
+                        mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)  # {category: int}: a copy is a deep copy
         for dev, dev_snap in curr_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
                 self._peak_mem[dev] = dev_snap["Total"]
-                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
+                self._peak_mem_snap[dev] = dict(dev_snap)
+
+
+class _StatsByModule(WeakIdKeyDictionary):
+    """The trackers' ``memory_tracking`` ({module: _ModMemStats}), also indexed by
+    the module's name: ``_update_peak_stats`` looks up the running modules by
+    name after every operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_name: dict = {}
+
+    def __setitem__(self, module, stats) -> None:
+        super().__setitem__(module, stats)
+        self.by_name[stats.mod_fqn] = stats
+
+    def clear(self) -> None:
+        super().clear()
+        self.by_name.clear()
 
 
 class Tracker(_Adjusted, MemTracker):
@@ -212,7 +234,7 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
     modules = []
     # The memory tracker inside the counter: the counter decomposes some
     # operators, and only their results are allocations of the step.
-    with counter, tracker:
+    with counter, tracker, ChunkedForeach():
         for micro in range(accumulate):
             if micro:
                 modules.append(dict(tracker.memory_tracking.items()))
