@@ -16,6 +16,8 @@ that both paths record the same graph.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fake.checks import check_fill
@@ -215,3 +217,56 @@ FAST = {
     torch.Tensor.fill_: _fill(aten.fill_.Scalar),
     torch.Tensor.zero_: _fill(aten.zero_.default),
 }
+
+
+def _init(method, names):
+    """``nn.init.<name>(tensor, ...)``, whose body is ``tensor.<method>(...)`` under
+    ``no_grad``: its torch-function prologue hands every argument over by
+    keyword (``names``), the fill is recorded as that body would record it."""
+    fill = FAST[method]
+    with_generator = names[-1] == "generator"
+
+    def init(record, args, kwargs):
+        if args or tuple(kwargs) != names:
+            return NotImplemented
+        values = list(kwargs.values())
+        generator = values.pop() if with_generator else None
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return fill(record, tuple(values), {"generator": generator} if generator is not None else {})
+        finally:
+            torch._C._set_grad_enabled(grad)
+
+    return init
+
+
+# Their torch-function prologue costs a round trip through the function mode
+# and a second call of the function: transformers' _init_weights runs one per
+# parameter.  Keyed by function and by code: the function mode finds the
+# body meant by the code of the prologue when the name it passes has been
+# replaced (fake.mode._prologue).
+for _function, _handler in (
+    (torch.nn.init.normal_, _init(torch.Tensor.normal_, ("tensor", "mean", "std", "generator"))),
+    (torch.nn.init.uniform_, _init(torch.Tensor.uniform_, ("tensor", "a", "b", "generator"))),
+    (torch.nn.init.constant_, _init(torch.Tensor.fill_, ("tensor", "val"))),
+):
+    FAST[_function] = FAST[_function.__code__] = _handler
+
+
+def _kaiming_uniform(record, args, kwargs):
+    """``nn.init.kaiming_uniform_`` (every ``nn.Linear`` and ``nn.Conv*`` runs it):
+    the bound from PyTorch's own fan and gain helpers, then the uniform fill."""
+    if args or tuple(kwargs) != ("tensor", "a", "mode", "nonlinearity", "generator"):
+        return NotImplemented
+    tensor = kwargs["tensor"]
+    if type(tensor) is not FakeTensor or 0 in tensor.shape:
+        return NotImplemented  # the body warns about zero elements from its own frame
+    fan = torch.nn.init._calculate_correct_fan(tensor, kwargs["mode"])
+    gain = torch.nn.init.calculate_gain(kwargs["nonlinearity"], kwargs["a"])
+    std = gain / math.sqrt(fan)  # the body's arithmetic, in its order: bit for bit its bound
+    bound = math.sqrt(3.0) * std
+    return FAST[torch.nn.init.uniform_](record, (), {"tensor": tensor, "a": -bound, "b": bound, "generator": kwargs["generator"]})
+
+
+FAST[torch.nn.init.kaiming_uniform_] = FAST[torch.nn.init.kaiming_uniform_.__code__] = _kaiming_uniform

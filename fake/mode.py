@@ -10,6 +10,7 @@ mode stacks, so a fake mode is thread-local and nests.
 from __future__ import annotations
 
 import contextlib
+import sys
 from types import FunctionType
 
 import torch
@@ -67,6 +68,8 @@ class FakeFunctionMode(TorchFunctionMode):
             with backend_stands_for(meant):
                 return self.__torch_function__(func, types, args, kwargs)
         fast = self.fast.get(func)
+        if fast is None and not args and kwargs and type(func) is FunctionType:
+            fast = self.fast.get(_prologue())
         if fast is not None and _dispatch_depth() == self.partner_depth:
             result = fast(self.context, args, kwargs or {})
             if result is not NotImplemented:
@@ -115,6 +118,23 @@ class FakeFunctionMode(TorchFunctionMode):
             # A file, a storage or a buffer: real, as eagerly (fake/reads.py).
             return read(func, args, kwargs, self.fake_cuda)
         return rewrite_call(func, args, kwargs, self.fake_cuda)
+
+
+_HANDLE = torch.overrides.handle_torch_function.__code__
+
+
+def _prologue():
+    """The code of the function whose torch-function prologue handed this call over.
+
+    The prologue (``nn.init.normal_``'s ``has_torch_function`` check) passes
+    the function by the name it finds in its module, which a library may
+    have replaced (transformers swaps ``torch.nn.init``'s functions for
+    guards while it initializes weights); the body meant is the caller's.
+    Frames: this one, ``__torch_function__``, ``handle_torch_function``, the
+    prologue.
+    """
+    frame = sys._getframe(2)
+    return frame.f_back.f_code if frame.f_code is _HANDLE and frame.f_back is not None else None
 
 
 # The calls every constructor makes most often (nn.init's no_grad blocks,

@@ -1,0 +1,127 @@
+"""nn.init.normal_, uniform_, constant_ and kaiming_uniform_ are recorded without their torch-function
+round trip (deferinit.fastpath._init): every argument form eager accepts gives
+eager's values and generator, the same graph as the general path, and what
+the fast path does not take goes the general way."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from deferinit import deferred_init, fastpath, graph_of
+from helpers import check_exact
+
+G = torch.Generator().manual_seed(7)
+
+CALLS = {
+    "normal_ defaults": lambda t: nn.init.normal_(t),
+    "normal_ positional": lambda t: nn.init.normal_(t, 0.5, 0.02),
+    "normal_ keywords": lambda t: nn.init.normal_(t, std=0.1, mean=-1.0),
+    "normal_ int arguments": lambda t: nn.init.normal_(t, 1, 2),
+    "normal_ generator": lambda t: nn.init.normal_(t, 0.0, 0.3, generator=G),
+    "normal_ tensor std": lambda t: nn.init.normal_(t, 0.0, torch.tensor(0.5).item()),
+    "uniform_ defaults": lambda t: nn.init.uniform_(t),
+    "uniform_ bounds": lambda t: nn.init.uniform_(t, -0.25, b=0.75),
+    "uniform_ generator": lambda t: nn.init.uniform_(t, generator=G),
+    "constant_": lambda t: nn.init.constant_(t, 0.125),
+    "constant_ int": lambda t: nn.init.constant_(t, 3),
+    "constant_ bool": lambda t: nn.init.constant_(t, True),
+    "kaiming_uniform_ defaults": lambda t: nn.init.kaiming_uniform_(t),
+    "kaiming_uniform_ linear's": lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)),
+    "kaiming_uniform_ fan_out relu": lambda t: nn.init.kaiming_uniform_(t, 0, "fan_out", "relu"),
+    "kaiming_uniform_ tanh generator": lambda t: nn.init.kaiming_uniform_(t, nonlinearity="tanh", generator=G),
+    "kaiming_uniform_ int a": lambda t: nn.init.kaiming_uniform_(t, a=2, mode="fan_in"),
+    "kaiming_uniform_ selu": lambda t: nn.init.kaiming_uniform_(t, nonlinearity="selu"),
+}
+
+
+class Initialized(nn.Module):
+    def __init__(self, call, dtype):
+        super().__init__()
+        G.manual_seed(7)
+        self.weight = nn.Parameter(torch.empty(5, 3, dtype=dtype))
+        self.register_buffer("table", torch.empty(4, 2, dtype=dtype))
+        self.view_source = nn.Parameter(torch.zeros(6, 4, dtype=dtype))
+        call(self.weight)
+        call(self.table)
+        call(self.view_source[1:, ::2])  # a view of a parameter: the general path
+        self.after = nn.Linear(3, 2)  # the generator stream goes on after the fills
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_nn_init_fills_equal_eager(call, dtype):
+    check_exact(Initialized, CALLS[call], dtype)
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_the_fast_path_records_the_general_paths_graph(call, monkeypatch):
+    def graph():
+        torch.manual_seed(0)
+        m = deferred_init(Initialized, CALLS[call], torch.float32)
+        return str(graph_of(m))
+
+    fast = graph()
+    for f in (nn.init.normal_, nn.init.uniform_, nn.init.constant_, nn.init.kaiming_uniform_):
+        monkeypatch.delitem(fastpath.FAST, f)
+        monkeypatch.delitem(fastpath.FAST, f.__code__)
+    assert "uniform_" in fast or "normal_" in fast or "fill_" in fast
+    assert fast == graph()
+
+
+class Conv(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape))
+        nn.init.kaiming_uniform_(self.weight, a=1.0)
+        self.after = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 3, 3), (8, 2, 5), (3, 1), (1, 7)])
+def test_kaiming_uniform_of_any_rank_equals_eager(shape):
+    check_exact(Conv, shape)
+
+
+def test_kaiming_uniform_of_zero_elements_warns_as_eagerly():
+    for build in (lambda: nn.init.kaiming_uniform_(torch.empty(0, 3)), lambda: deferred_init(nn.init.kaiming_uniform_, torch.empty(0, 3))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build()
+        assert [str(w.message) for w in caught] == ["Initializing zero-element tensors is a no-op"]
+
+
+def test_what_eager_refuses_is_refused_with_eagers_error():
+    for call, error in [
+        (lambda: nn.init.kaiming_uniform_(torch.empty(3)), ValueError),
+        (lambda: nn.init.kaiming_uniform_(torch.empty(3, 2), mode="fan_sideways"), ValueError),
+        (lambda: nn.init.kaiming_uniform_(torch.empty(3, 2), nonlinearity="wiggle"), ValueError),
+        (lambda: nn.init.uniform_(torch.empty(3, dtype=torch.half), -1e6, 1e6), RuntimeError),
+        (lambda: nn.init.normal_(torch.empty(3), 0.0, -1.0), RuntimeError),
+        (lambda: nn.init.normal_(torch.empty(3).expand(2, 3)), RuntimeError),
+        (lambda: nn.init.constant_(torch.empty(3), "x"), TypeError),
+    ]:
+        with pytest.raises(error) as eager:
+            call()
+        with pytest.raises(error) as deferred:
+            deferred_init(call)
+        assert str(eager.value).split("\n")[0] in str(deferred.value)
+
+
+def test_a_leaf_that_requires_grad_is_filled_under_no_grad_as_eagerly():
+    def build():
+        p = nn.Parameter(torch.empty(4))
+        nn.init.normal_(p)
+        assert torch.is_grad_enabled()  # restored after the fill
+        return p
+
+    torch.manual_seed(3)
+    eager = build()
+    torch.manual_seed(3)
+    p = deferred_init(build)
+    from materialize import materialize_tensor
+
+    assert torch.equal(materialize_tensor(p), eager) and p.requires_grad
