@@ -61,6 +61,27 @@ def timed(fn, repeat: int = 5, warmup: int = 1):
     return min(times), statistics.median(times), result
 
 
+def timed_together(fns: dict, repeat: int = 9, warmup: int = 1) -> dict:
+    """``{name: (best seconds, median seconds, last result)}``, the functions called
+    in turn, ``repeat`` rounds after a warm-up: on a shared machine a slow
+    spell then slows every column alike instead of one."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    results = {}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            results.pop(name, None)
+            gc.collect()
+            start = time.perf_counter()
+            result = fn()
+            times[name].append(time.perf_counter() - start)
+            results[name] = result
+            del result
+    return {name: (min(t), statistics.median(t), results[name]) for name, t in times.items()}
+
+
 def table(headers, rows) -> str:
     """A GitHub-flavoured markdown table."""
     cells = [[str(c) for c in r] for r in rows]

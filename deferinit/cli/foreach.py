@@ -17,8 +17,12 @@ unchunked step).
 
 Example::
 
+    >>> len(dtensors)
+    7
     >>> with ChunkedForeach(chunk=2):
-    ...     out = torch._foreach_mul(dtensors, 2.0)   # three calls of two elements, one of one
+    ...     out = torch._foreach_mul(dtensors, 2.0)   # calls of 2, 2, 2 and 1 DTensors
+    >>> len(out)
+    7
 """
 
 from __future__ import annotations
