@@ -193,12 +193,25 @@ def _pending_draw(args, kwargs):
 
 def _check(args, kwargs):
     """``(record, hold, device)`` for a real draw while that record's draws are pending."""
-    if current_record() is not None or in_fake_mode():
-        return None  # recorded, or fakes: nothing is drawn for real here
+    if current_record() is not None or in_fake_mode() or _pytorch_fake(args, kwargs):
+        return None  # recorded, or fakes (ours or PyTorch's): nothing is drawn for real here
     try:
         return _pending_draw(args, kwargs)
     except Exception:  # noqa: BLE001 - arguments eager refuses: its own error comes next
         return None
+
+
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _pytorch_fake(args, kwargs) -> bool:
+    """Whether PyTorch's own FakeTensorMode answers this call (active, or one of its
+    fakes is an argument): it draws from no generator."""
+    if torch._C._get_dispatch_mode(_FAKE_MODE_KEY) is not None:
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor as TorchFakeTensor
+
+    return any(isinstance(a, TorchFakeTensor) for a in (*args, *kwargs.values()))
 
 
 def _finish(record, hold, drew: bool) -> bool:

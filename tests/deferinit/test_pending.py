@@ -98,7 +98,14 @@ def test_no_warning_where_the_draw_equals_eager(case):
 
 
 def test_no_warning_for_draws_that_are_not_real():
-    """Draws inside another deferral are recorded, and draws in fake_mode make fakes."""
+    """Draws inside another deferral are recorded, draws in fake_mode make fakes, and
+    PyTorch's FakeTensorMode and meta tensors draw from no generator (eager's stream
+    after them is the one without them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    eager = (nn.Linear(4, 4), torch.rand(5))
+    torch.manual_seed(0)
     with deferred():
         m = nn.Linear(4, 4)
     with warnings.catch_warnings():
@@ -108,7 +115,16 @@ def test_no_warning_for_draws_that_are_not_real():
         with fake_mode():
             nn.Linear(4, 4)
             torch.randn(3)
+        with FakeTensorMode():
+            outside = torch.empty(3, 3)
+            nn.Linear(4, 4)
+            torch.randn(3)
+        outside.normal_()  # a FakeTensorMode fake, its mode no longer active
+        with torch.device("meta"):
+            nn.Linear(4, 4)
+            torch.randn(3)
     materialize_module(m)
+    assert torch.equal(m.weight, eager[0].weight) and torch.equal(torch.rand(5), eager[1])
     materialize_module(other)
 
 
