@@ -120,6 +120,17 @@ class _StatsByModule(WeakIdKeyDictionary):
         super().__setitem__(module, stats)
         self.by_name[stats.mod_fqn] = stats
 
+    def setdefault(self, module, default=None):
+        stats = super().setdefault(module, default)
+        self.by_name[stats.mod_fqn] = stats
+        return stats
+
+    def update(self, other=None, **kwargs) -> None:
+        for module, stats in dict(other or {}).items():
+            self[module] = stats
+        if kwargs:
+            raise TypeError("memory_tracking is keyed by module")
+
     def clear(self) -> None:
         super().clear()
         self.by_name.clear()

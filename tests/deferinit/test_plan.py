@@ -212,3 +212,20 @@ def test_a_training_step_on_fake_cuda(name):
     assert got.peak[cuda]["PARAM"] == sum(math.ceil(p.numel() * p.element_size() / 512) * 512 for p in params)
     # only the optimizer's step counters stay on the CPU, as in PyTorch
     assert set(k for k, v in got.peak.get(torch.device("cpu"), {}).items() if v and k != "Total") <= {"OPT"}
+
+
+def test_the_trackers_index_of_running_modules_follows_every_way_of_adding_stats():
+    """Tracker finds a running module's stats by name: the index beside
+    memory_tracking sees entries added by item, setdefault and update, and clear."""
+    from torch.distributed._tools.mem_tracker import _ModMemStats
+
+    tracker = Tracker()
+    table = tracker.memory_tracking
+    a, b, c = nn.Linear(1, 1), nn.Linear(1, 1), nn.Linear(1, 1)
+    table[a] = _ModMemStats("a")
+    table.setdefault(b, _ModMemStats("b"))
+    table.update({c: _ModMemStats("c")})
+    assert {name: stats.mod_fqn for name, stats in table.by_name.items()} == {"a": "a", "b": "b", "c": "c"}
+    assert all(table.by_name[s.mod_fqn] is s for s in table.values())
+    table.clear()
+    assert not table.by_name and not list(table.values())

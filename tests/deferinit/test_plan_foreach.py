@@ -14,7 +14,9 @@ from deferinit.cli.foreach import ChunkedForeach
 from deferinit.cli.plan import shard
 from fake import fake_mode
 
-from .test_plan import llama, per_module, step
+from deferinit.cli.step import measure_step
+
+from .test_plan import inputs, llama, per_module, step
 
 
 def _dtensors(mesh, n, seed):
@@ -83,14 +85,19 @@ def test_calls_that_are_not_foreach_over_dtensors_are_not_cut(monkeypatch):
         ChunkedForeach(chunk=0)
 
 
-def _sharded_step(planned, rank, chunk, monkeypatch):
+def _sharded_step(planned, rank, chunk, monkeypatch, fused=False):
     monkeypatch.setattr(foreach, "CHUNK", chunk)
     torch.manual_seed(0)
     with fake_ranks(4, rank, "cpu") as mesh:
         model = deferred_init(llama) if planned else llama()
         with fake_mode() if planned else _nothing():
             shard(model, mesh)
-            measured = step("llama", model, foreach=True, sharded=True)
+            if fused:
+                args, kwargs, ids = inputs("llama")
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+                measured = measure_step(model, args, kwargs, opt, token_ids=ids, sharded=True)
+            else:
+                measured = step("llama", model, foreach=True, sharded=True)
             values = None if planned else [p.to_local().clone() for p in model.parameters()]
     stats = {s.mod_fqn: (s.local_peak, s.snapshots) for s in measured.tracker.memory_tracking.values()}
     return measured, per_module(model, measured), stats, values
@@ -104,15 +111,17 @@ class _nothing:
         return False
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 @pytest.mark.parametrize("planned", [False, True], ids=["real", "planned"])
-def test_a_sharded_foreach_adamw_step_measures_and_updates_as_unchunked(planned, monkeypatch):
-    """FSDP2 over 4 fake ranks, AdamW foreach over the llama's parameters (more than 2):
-    chunks of 2 against one call (PyTorch's own): the same peak, what stays after,
-    per-module figures, FLOPs and, on real tensors, the same parameters after the step."""
+def test_a_sharded_adamw_step_measures_and_updates_as_unchunked(planned, fused, monkeypatch):
+    """FSDP2 over 4 fake ranks, AdamW foreach (or fused) over the llama's parameters
+    (more than 2): chunks of 2 against one call (PyTorch's own): the same peak, what
+    stays after, per-module figures, FLOPs and, on real tensors, the same parameters
+    after the step."""
     n_params = len(list(llama().parameters()))
     assert n_params > 2
-    want = _sharded_step(planned, 0, 10**9, monkeypatch)
-    got = _sharded_step(planned, 0, 2, monkeypatch)
+    want = _sharded_step(planned, 0, 10**9, monkeypatch, fused)
+    got = _sharded_step(planned, 0, 2, monkeypatch, fused)
     assert got[0].peak == want[0].peak
     assert got[0].after == want[0].after
     assert got[0].flops == want[0].flops > 0
