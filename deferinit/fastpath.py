@@ -3,7 +3,8 @@
 Building a Llama-70B-shaped model records about three calls per parameter:
 a factory (``torch.empty``, ``zeros``, ``ones``), ``Tensor.detach`` (inside
 ``nn.Parameter``) and an in-place fill (``uniform_``/``normal_``/``fill_``/
-``zero_`` from ``nn.init``).  Through the dispatcher each costs two Python round trips and
+``zero_`` from ``nn.init``, whose ``normal_``, ``uniform_``, ``constant_`` and
+``kaiming_uniform_`` are taken here whole).  Through the dispatcher each costs two Python round trips and
 a meta kernel (``normal_``'s is a Python decomposition costing hundreds of
 microseconds).  At the function level, before any dispatch, the result is
 fully known: these handlers build the very node the dispatch path would
