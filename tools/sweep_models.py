@@ -275,7 +275,7 @@ def transformers_cases(heads, only):
             if only and model_type not in only:
                 continue
             for cls_name in classes if isinstance(classes, (tuple, list)) else [classes]:
-                if (model_type, cls_name) in seen or not cls_name.endswith(("Model", "LM", "Head")) and "For" not in cls_name:
+                if (model_type, cls_name) in seen or cls_name.endswith("Config"):
                     continue
                 seen.add((model_type, cls_name))
 
