@@ -247,9 +247,10 @@ def _init(method, names):
 # parameter.  Keyed by function and by code: the function mode finds the
 # body meant by the code of the prologue when the name it passes has been
 # replaced (fake.mode._prologue).
+_uniform = _init(torch.Tensor.uniform_, ("tensor", "a", "b", "generator"))
 for _function, _handler in (
     (torch.nn.init.normal_, _init(torch.Tensor.normal_, ("tensor", "mean", "std", "generator"))),
-    (torch.nn.init.uniform_, _init(torch.Tensor.uniform_, ("tensor", "a", "b", "generator"))),
+    (torch.nn.init.uniform_, _uniform),
     (torch.nn.init.constant_, _init(torch.Tensor.fill_, ("tensor", "val"))),
 ):
     FAST[_function] = FAST[_function.__code__] = _handler
@@ -267,7 +268,9 @@ def _kaiming_uniform(record, args, kwargs):
     gain = torch.nn.init.calculate_gain(kwargs["nonlinearity"], kwargs["a"])
     std = gain / math.sqrt(fan)  # the body's arithmetic, in its order: bit for bit its bound
     bound = math.sqrt(3.0) * std
-    return FAST[torch.nn.init.uniform_](record, (), {"tensor": tensor, "a": -bound, "b": bound, "generator": kwargs["generator"]})
+    # The body's own fill (tensor.uniform_ under no_grad), not whatever
+    # torch.nn.init.uniform_ names now: transformers' guards replace it.
+    return _uniform(record, (), {"tensor": tensor, "a": -bound, "b": bound, "generator": kwargs["generator"]})
 
 
 FAST[torch.nn.init.kaiming_uniform_] = FAST[torch.nn.init.kaiming_uniform_.__code__] = _kaiming_uniform

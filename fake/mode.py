@@ -95,6 +95,12 @@ class FakeFunctionMode(TorchFunctionMode):
             # F.*, Tensor.backward): run its body with this mode still
             # active, so that the calls inside it are seen here too (devices,
             # fast paths).
+            if not args and kwargs:
+                # The prologue passes the name it finds in its module: a
+                # wrapper put there (transformers' guards, a library's
+                # patch) already ran and called the function meant, whose
+                # body runs here -- not the wrapper a second time.
+                func = _meant(func, kwargs)
             key = (func, id(args[0]) if args else None)
             if key in self.bodies:
                 # A Python Tensor method (Tensor.unflatten) calling its C
@@ -135,6 +141,29 @@ def _prologue():
     """
     frame = sys._getframe(2)
     return frame.f_back.f_code if frame.f_code is _HANDLE and frame.f_back is not None else None
+
+
+_MEANT: dict = {}
+
+
+def _meant(func, kwargs):
+    """The function whose prologue handed ``func``'s call over (see :func:`_prologue`).
+
+    Frames: this one, ``__torch_function__``, ``handle_torch_function``, the prologue.
+    """
+    frame = sys._getframe(2)
+    if frame.f_code is not _HANDLE or frame.f_back is None:
+        return func
+    caller = frame.f_back
+    code = caller.f_code
+    if code is func.__code__ or code.co_freevars:
+        return func
+    if not kwargs.keys() >= set(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]):
+        return func  # a body that needs its defaults: the function object is not at hand
+    meant = _MEANT.get(code)
+    if meant is None or meant.__globals__ is not caller.f_globals:
+        meant = _MEANT[code] = FunctionType(code, caller.f_globals, code.co_name)
+    return meant
 
 
 # The calls every constructor makes most often (nn.init's no_grad blocks,

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from deferinit import deferred_init, fastpath, graph_of
 from helpers import check_exact
 
@@ -125,3 +127,88 @@ def test_a_leaf_that_requires_grad_is_filled_under_no_grad_as_eagerly():
     from materialize import materialize_tensor
 
     assert torch.equal(materialize_tensor(p), eager) and p.requires_grad
+
+
+class UnderGuard(nn.Module):
+    """Layers built while transformers' guards stand for torch.nn.init's
+    functions, as they do while a transformers model initializes its weights
+    (FalconMamba and Dac rebuild their layers there)."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.initialization import guard_torch_init_functions
+
+        with guard_torch_init_functions():
+            self.linear = nn.Linear(5, 3)
+            self.conv = nn.Conv1d(2, 4, 3)
+            nn.init.kaiming_uniform_(self.linear.weight, a=0.5, mode="fan_out")
+
+
+def test_kaiming_uniform_under_transformers_guards_equals_eager():
+    pytest.importorskip("transformers")
+    check_exact(UnderGuard)
+
+
+def _shifted_uniform(tensor, a=0.0, b=1.0, generator=None):
+    return _ORIGINAL_UNIFORM(tensor, a - 1.0, b + 1.0, generator)
+
+
+_ORIGINAL_UNIFORM = nn.init.uniform_
+
+
+class UniformSwapped(nn.Module):
+    """A library's wrapper named torch.nn.init.uniform_ that changes the bounds:
+    eager's kaiming_uniform_ fills with tensor.uniform_, so the wrapper changes
+    only the direct nn.init.uniform_ call."""
+
+    def __init__(self):
+        super().__init__()
+        nn.init.uniform_ = _shifted_uniform
+        try:
+            self.linear = nn.Linear(4, 3)
+            self.table = nn.Parameter(torch.empty(2, 3))
+            nn.init.uniform_(self.table, -0.5, 0.5)
+        finally:
+            nn.init.uniform_ = _ORIGINAL_UNIFORM
+
+
+def test_a_wrapper_in_place_of_nn_init_uniform_changes_what_it_changes_eagerly():
+    check_exact(UniformSwapped)
+
+
+def _doubling_normal(tensor, mean=0.0, std=1.0, generator=None):
+    return _ORIGINAL_NORMAL(tensor, mean=mean + 1.0, std=std * 2.0, generator=generator)
+
+
+_ORIGINAL_NORMAL = nn.init.normal_
+
+
+class _Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class NormalSwapped(nn.Module):
+    """A wrapper named torch.nn.init.normal_ that changes mean and std, called
+    where the fast path does not answer: under another dispatch mode, on a
+    real tensor, with a tensor-valued std.  The prologue of the function it
+    wraps hands the call over under the wrapper's name; running that name
+    again would apply the wrapper twice."""
+
+    def __init__(self, real):
+        super().__init__()
+        nn.init.normal_ = _doubling_normal
+        try:
+            self.weight = nn.Parameter(torch.empty(3, 4))
+            with _Passthrough():
+                nn.init.normal_(self.weight, 0.5, 0.1)
+            nn.init.normal_(real, 0.0, 1.0)
+            self.register_buffer("copied", real.clone())
+            self.table = nn.Parameter(torch.empty(2, 3))
+            nn.init.normal_(self.table, 0.0, torch.tensor(0.25))
+        finally:
+            nn.init.normal_ = _ORIGINAL_NORMAL
+
+
+def test_a_wrapper_in_place_of_nn_init_normal_applies_once_where_the_general_path_runs():
+    check_exact(NormalSwapped, torch.zeros(5))
