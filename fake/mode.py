@@ -68,8 +68,10 @@ class FakeFunctionMode(TorchFunctionMode):
             with backend_stands_for(meant):
                 return self.__torch_function__(func, types, args, kwargs)
         fast = self.fast.get(func)
+        prologue = _UNSEEN
         if fast is None and not args and kwargs and type(func) is FunctionType:
-            fast = self.fast.get(_prologue())
+            prologue = _prologue()
+            fast = self.fast.get(prologue.f_code) if prologue is not None else None
         if fast is not None and _dispatch_depth() == self.partner_depth:
             result = fast(self.context, args, kwargs or {})
             if result is not NotImplemented:
@@ -100,7 +102,7 @@ class FakeFunctionMode(TorchFunctionMode):
                 # wrapper put there (transformers' guards, a library's
                 # patch) already ran and called the function meant, whose
                 # body runs here -- not the wrapper a second time.
-                func = _meant(func, kwargs)
+                func = _meant(func, kwargs, _prologue() if prologue is _UNSEEN else prologue)
             key = (func, id(args[0]) if args else None)
             if key in self.bodies:
                 # A Python Tensor method (Tensor.unflatten) calling its C
@@ -130,7 +132,8 @@ _HANDLE = torch.overrides.handle_torch_function.__code__
 
 
 def _prologue():
-    """The code of the function whose torch-function prologue handed this call over.
+    """The frame of the function whose torch-function prologue handed this call
+    over, or None.
 
     The prologue (``nn.init.normal_``'s ``has_torch_function`` check) passes
     the function by the name it finds in its module, which a library may
@@ -140,21 +143,19 @@ def _prologue():
     prologue.
     """
     frame = sys._getframe(2)
-    return frame.f_back.f_code if frame.f_code is _HANDLE and frame.f_back is not None else None
+    return frame.f_back if frame.f_code is _HANDLE else None
 
 
+_UNSEEN = object()
 _MEANT: dict = {}
 
 
-def _meant(func, kwargs):
-    """The function whose prologue handed ``func``'s call over (see :func:`_prologue`).
-
-    Frames: this one, ``__torch_function__``, ``handle_torch_function``, the prologue.
-    """
-    frame = sys._getframe(2)
-    if frame.f_code is not _HANDLE or frame.f_back is None:
+def _meant(func, kwargs, caller):
+    """The function whose prologue (frame ``caller``, see :func:`_prologue`) handed
+    ``func``'s call over: ``func`` itself, or the function of the caller's code
+    where ``func`` is a wrapper put in its name."""
+    if caller is None:
         return func
-    caller = frame.f_back
     code = caller.f_code
     if code is func.__code__ or code.co_freevars:
         return func
