@@ -25,37 +25,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from deferinit import CheckpointError, deferred_init, graph_of
+from deferinit import CheckpointError, deferred_init
 from materialize import load_checkpoint, materialize_module
+
+from checkpoint_refusals import build, refused, state_dict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAGIC = 0x1950A86A20F9469CFC6C
-
-
-def build():
-    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-
-
-def state_dict():
-    g = torch.Generator().manual_seed(3)
-    return {k: torch.randn(v.shape, generator=g) for k, v in build().state_dict().items()}
-
-
-def refused(source, match: str):
-    """``load_checkpoint`` raises ``CheckpointError`` matching ``match`` on a
-    deferred and on a real module, and changes neither."""
-    torch.manual_seed(0)
-    deferred = deferred_init(build)
-    before = str(graph_of(deferred))
-    with pytest.raises(CheckpointError, match=match) as info:
-        load_checkpoint(deferred, source)
-    assert str(graph_of(deferred)) == before
-    real = build()
-    values = {k: v.clone() for k, v in real.state_dict().items()}
-    with pytest.raises(CheckpointError, match=match):
-        load_checkpoint(real, source)
-    assert all(torch.equal(v, values[k]) for k, v in real.state_dict().items())
-    return info.value
 
 
 def loads_as(source, reference: dict):
@@ -76,6 +52,22 @@ def child(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
                           env=env, timeout=timeout)
+
+
+def refusal_in_child(source: str, timeout: float) -> str:
+    """What ``load_checkpoint(nn.Linear(2, 2), source)`` refuses with, in a fresh
+    interpreter (a file that hangs or crashes a reader cannot take the tests down)."""
+    done = child(f"""
+        import torch
+        from deferinit import CheckpointError
+        from materialize import load_checkpoint
+        try:
+            load_checkpoint(torch.nn.Linear(2, 2), {source!r})
+        except CheckpointError as e:
+            print(e)
+    """, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
 
 
 def with_pickle(path, pkl: bytes) -> None:
@@ -328,17 +320,8 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path, name):
     os.mkfifo(fifo)
     source = str(folder) if name == "in_a_folder" else fifo
     # A child process: opening a FIFO for reading blocks until someone writes to it.
-    done = child(f"""
-        import torch
-        from deferinit import CheckpointError
-        from materialize import load_checkpoint
-        try:
-            load_checkpoint(torch.nn.Linear(2, 2), {source!r})
-        except CheckpointError as e:
-            print(e)
-    """, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"{fifo} is a FIFO, not a regular file" in done.stdout
+    out = refusal_in_child(source, timeout=60)
+    assert f"{fifo} is a FIFO, not a regular file" in out
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
@@ -402,17 +385,8 @@ def test_a_tuple_sharing_itself_that_hashes_forever_is_refused(tmp_path):
     with_pickle(path, _shared_tuples(10))  # 2**10: torch.load reads it
     child(f"import torch; assert len(torch.load({path!r}, weights_only=True)) == 2").check_returncode()
     with_pickle(path, _shared_tuples(60))
-    ours = child(f"""
-        import torch
-        from deferinit import CheckpointError
-        from materialize import load_checkpoint
-        try:
-            load_checkpoint(torch.nn.Linear(2, 2), {path!r})
-        except CheckpointError as e:
-            print(e)
-    """, timeout=120)
-    assert ours.returncode == 0, ours.stderr[-2000:]
-    assert path in ours.stdout and "sharing tuples through its memo" in ours.stdout
+    out = refusal_in_child(path, timeout=120)
+    assert path in out and "sharing tuples through its memo" in out
 
 
 def _text(value: str) -> bytes:
@@ -435,17 +409,8 @@ def test_an_error_about_a_value_that_shares_itself_is_bounded(tmp_path):
     # torch.load never returns either: it formats the list for its error message
     with pytest.raises(subprocess.TimeoutExpired):
         child(f"import torch; torch.load({path!r}, weights_only=True)", timeout=8)
-    ours = child(f"""
-        import torch
-        from deferinit import CheckpointError
-        from materialize import load_checkpoint
-        try:
-            load_checkpoint(torch.nn.Linear(2, 2), {path!r})
-        except CheckpointError as e:
-            print(e)
-    """, timeout=120)
-    assert ours.returncode == 0, ours.stderr[-2000:]
-    assert path in ours.stdout and "[[[...], [...]], [[...], [...]]] elements" in ours.stdout, ours.stdout[:3000]
+    out = refusal_in_child(path, timeout=120)
+    assert path in out and "[[[...], [...]], [[...], [...]]] elements" in out, out[:3000]
 
 
 def test_a_tensor_named_by_a_tuple_is_refused(tmp_path):
@@ -461,17 +426,8 @@ def test_an_index_that_is_a_fifo_is_refused(tmp_path):
     folder.mkdir()
     index = str(folder / "model.safetensors.index.json")
     os.mkfifo(index)
-    done = child(f"""
-        import torch
-        from deferinit import CheckpointError
-        from materialize import load_checkpoint
-        try:
-            load_checkpoint(torch.nn.Linear(2, 2), {str(folder)!r})
-        except CheckpointError as e:
-            print(e)
-    """, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"{index} is a FIFO, not a regular file" in done.stdout, done.stdout
+    out = refusal_in_child(str(folder), timeout=60)
+    assert f"{index} is a FIFO, not a regular file" in out, out
 
 
 def test_an_index_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch):

@@ -21,39 +21,14 @@ import zipfile
 
 import pytest
 import torch
-import torch.nn as nn
 from safetensors.torch import load_file, save_file
 
-from deferinit import CheckpointError, CheckpointNotFoundError, deferred_init, graph_of
+from deferinit import CheckpointNotFoundError, deferred_init
 from materialize import load_checkpoint, materialize_module
 
+from checkpoint_refusals import build, refused, state_dict
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def build():
-    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-
-
-def state_dict():
-    g = torch.Generator().manual_seed(3)
-    return {k: torch.randn(v.shape, generator=g) for k, v in build().state_dict().items()}
-
-
-def refused(source, match: str):
-    """``load_checkpoint`` raises ``CheckpointError`` matching ``match`` on a
-    deferred and on a real module, and changes neither."""
-    torch.manual_seed(0)
-    deferred = deferred_init(build)
-    before = str(graph_of(deferred))
-    with pytest.raises(CheckpointError, match=match) as info:
-        load_checkpoint(deferred, source)
-    assert str(graph_of(deferred)) == before
-    real = build()
-    values = {k: v.clone() for k, v in real.state_dict().items()}
-    with pytest.raises(CheckpointError, match=match):
-        load_checkpoint(real, source)
-    assert all(torch.equal(v, values[k]) for k, v in real.state_dict().items())
-    return info.value
 
 
 def loads_as(source, reference: dict, ctor=build):
@@ -239,7 +214,7 @@ def test_a_big_endian_archive_loads_as_torch_load_in_a_child_process(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, zipfile, torch
-        sys.path.insert(0, {os.path.join(ROOT, 'tests', 'materialize')!r})
+        sys.path[:0] = [{ROOT!r}, {os.path.join(ROOT, 'tests')!r}, {os.path.join(ROOT, 'tests', 'materialize')!r}]
         import test_checkpoint_untrusted as t
         sd = t.state_dict()
         sd["c"] = torch.randn(3, dtype=torch.complex64)
