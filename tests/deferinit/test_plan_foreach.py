@@ -4,13 +4,15 @@ own unchunked call."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from deferinit import deferred_init
 from deferinit.cli import foreach
 from deferinit.cli.fakedist import fake_ranks
-from deferinit.cli.foreach import ChunkedForeach
+from deferinit.cli.foreach import ChunkedForeach, bounds
 from deferinit.cli.plan import shard
 from fake import fake_mode
 
@@ -19,12 +21,11 @@ from deferinit.cli.step import measure_step
 from .test_plan import inputs, llama, per_module, step
 
 
-def _dtensors(mesh, n, seed):
+def _dtensors(mesh, n, seed, shapes=((2, 4), (1,), (0, 3), (4, 2))):  # repeating and differing, one empty
     from torch.distributed.tensor import DTensor, Shard
 
     # The fake process group moves no data: build each rank's piece here.
     g = torch.Generator().manual_seed(seed)
-    shapes = [(2, 4), (1,), (0, 3), (4, 2)]  # shapes that repeat and differ, one piece empty
     return [DTensor.from_local(torch.rand(shapes[i % 4], generator=g) + 0.5, mesh, [Shard(0)], run_check=False)
             for i in range(n)]
 
@@ -128,3 +129,70 @@ def test_a_sharded_adamw_step_measures_and_updates_as_unchunked(planned, fused, 
     assert got[1] == want[1] and got[2] == want[2]
     if not planned:
         assert all(torch.equal(x, y) for x, y in zip(got[3], want[3], strict=True))
+
+
+def _kind_lists():
+    rng = random.Random(0)
+    lists = [[], [0], [7] * 40, list(range(40)), _LLAMA_KINDS]
+    for _ in range(300):
+        unit = [rng.randrange(5) for _ in range(rng.randint(1, 20))]
+        head = [rng.randrange(9) for _ in range(rng.randint(0, 5))]
+        tail = [rng.randrange(9) for _ in range(rng.randint(0, 5))]
+        lists.append(head + unit * rng.randint(0, 6) + tail)
+    return lists
+
+
+# The parameters of a Llama in order: embedding, 80 layers of (attention norm,
+# q, k, v, o, MLP norm, gate, up, down), final norm, head; equal kinds, equal specs.
+_LLAMA_KINDS = [0] + [1, 2, 3, 3, 4, 1, 5, 6, 7] * 80 + [1, 8]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 16])
+def test_bounds_cut_every_list_into_consecutive_chunks_of_at_most_chunk(chunk):
+    for kinds in _kind_lists():
+        cuts = bounds(kinds, chunk)
+        assert [lo for lo, _ in cuts] == ([0] if cuts else []) + [hi for _, hi in cuts[:-1]]
+        assert (cuts[-1][1] if cuts else 0) == len(kinds)
+        assert all(1 <= hi - lo <= chunk for lo, hi in cuts)
+
+
+def _distinct(kinds, cuts):
+    return {tuple(kinds[lo:hi]) for lo, hi in cuts}
+
+
+def test_bounds_follow_a_lists_period():
+    cuts = bounds(_LLAMA_KINDS, 16)
+    assert _distinct(_LLAMA_KINDS, cuts) == {(0,), (1, 2, 3, 3, 4, 1, 5, 6, 7), (1, 8)}
+    assert len(_distinct(_LLAMA_KINDS, [(lo, min(lo + 16, 723)) for lo in range(0, 723, 16)])) == 11
+    # a period longer than a chunk: each period is cut the same way
+    kinds = [9] + list(range(20)) * 6 + [9]
+    assert _distinct(kinds, bounds(kinds, 8)) == {(9,), tuple(range(8)), tuple(range(8, 16)), tuple(range(16, 20))}
+    # a list without one: every chunk elements
+    assert bounds(list(range(10)), 4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_a_periodic_dtensor_list_is_propagated_once_per_distinct_chunk(monkeypatch):
+    """DTensor caches a propagation by the specs of the chunk: chunks on the list's
+    period (4 shapes repeating) need one; with chunks of 3 each period is cut
+    into 3 + 1, two (cuts every 3 elements would need four)."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    seen = []
+    real = ShardingPropagator.propagate_op_sharding_non_cached
+
+    def counting(self, schema):
+        if schema.op is torch.ops.aten._foreach_mul.Scalar:
+            seen.append(schema)
+        return real(self, schema)
+
+    monkeypatch.setattr(ShardingPropagator, "propagate_op_sharding_non_cached", counting)
+    with fake_ranks(4, 1, "cpu") as mesh:
+        # shapes no other test uses: DTensor's cache is keyed by the tensors' specs
+        a = _dtensors(mesh, 24, seed=4, shapes=((3, 5), (2,), (5, 1), (1, 7)))
+        with ChunkedForeach(chunk=4):
+            out = torch._foreach_mul(a, 1.0625)
+        assert len(seen) == 1
+        assert all(torch.equal(o.to_local(), x.to_local() * 1.0625) for o, x in zip(out, a, strict=True))
+        with ChunkedForeach(chunk=3):
+            torch._foreach_mul(a, 1.125)
+        assert len(seen) == 1 + 2
