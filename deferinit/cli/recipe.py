@@ -40,7 +40,8 @@ import inspect
 
 import torch
 
-from .step import _local, measure_step
+from .step import measure_step
+from .trackers import local_tensor
 
 #: Keyword arguments given to an optimizer unless the recipe sets them.
 DEFAULT_ARGS = {"lr": 1e-4}
@@ -218,7 +219,7 @@ def plan_step(model, args, kwargs=None, recipe: Recipe | None = None, *, mesh=No
         raise ValueError(f"accumulate must be at least 1, got {recipe.accumulate}")
     done = prepare(model, recipe, mesh)
     params = list(model.parameters())
-    device = _local(params[0]).device if params else torch.device("cpu")
+    device = local_tensor(params[0]).device if params else torch.device("cpu")
     optimizer = make_optimizer(recipe, params, device)
     autocast = recipe.mixed_precision if mesh is None else None
     measured = measure_step(model, args, kwargs, optimizer, token_ids=token_ids, sharded=mesh is not None,

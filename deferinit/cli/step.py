@@ -28,10 +28,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
-from torch.utils.weak import WeakIdKeyDictionary
+from torch.utils.flop_counter import FlopCounterMode
 
 from deferinit.cli.foreach import ChunkedForeach
+from deferinit.cli.trackers import Flops, Tracker, fsdp_tracker, local_tensor
 from fake.device import backend_device
 
 #: What each of PyTorch's memory categories counts, in the report's words.
@@ -53,129 +53,6 @@ COLUMNS = {
     "activations": ("ACT", "INP"),
     "temporaries": ("TEMP", "ALL_GATHER", "REDUCE_SCATTER", "OTH"),
 }
-
-
-def _local(t):
-    # DTensor reports the C++ device of its local tensor, which for a fake
-    # CUDA tensor on a build without CUDA is CPU; account the local tensor.
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
-class _Adjusted:
-    """Adjustments to PyTorch's memory trackers, none changing a figure.
-
-    * A DTensor is accounted on its local tensor's device: DTensor reports
-      the C++ device of its local tensor, which for a fake CUDA tensor on a
-      build without CUDA is CPU.
-    * ``_update_peak_stats``, run after every operator, visits only the
-      modules running (``_mod_tracker.parents``), found by name in an index
-      kept beside ``memory_tracking``, instead of every module seen so far:
-      the same updates, but the cost of a step no longer grows with the
-      square of the number of layers (80 layers: minutes -> seconds).
-    * Every change to the running totals can be recorded (``timeline``, a
-      :class:`~deferinit.cli.timeline.Timeline`): the step's memory over time.
-    """
-
-    timeline = None
-
-    def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
-        super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-        if self.timeline is not None:
-            self.timeline.record(self, u_type, winfo, old_mem_consumed, old_reftype)
-
-    def _update_and_maybe_create_winfos(self, t, reftype, update_existing=False):
-        return super()._update_and_maybe_create_winfos(_local(t), reftype, update_existing)
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.memory_tracking = _StatsByModule()
-
-    def _update_peak_stats(self, peak_state) -> None:
-        by_name = self.memory_tracking.by_name
-        curr_snap = self._curr_mem_snap
-        for name in self._mod_tracker.parents:
-            mod_stats = by_name.get(name)
-            if mod_stats is not None and peak_state in mod_stats.snapshots:
-                for dev, dev_snap in curr_snap.items():
-                    if mod_stats.local_peak.get(dev, 0) < dev_snap["Total"]:
-                        mod_stats.local_peak[dev] = dev_snap["Total"]
-                        mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)  # {category: int}: a copy is a deep copy
-        for dev, dev_snap in curr_snap.items():
-            if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
-                self._peak_mem[dev] = dev_snap["Total"]
-                self._peak_mem_snap[dev] = dict(dev_snap)
-
-
-class _StatsByModule(WeakIdKeyDictionary):
-    """The trackers' ``memory_tracking`` ({module: _ModMemStats}), also indexed by
-    the module's name: ``_update_peak_stats`` looks up the running modules by
-    name after every operator."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.by_name: dict = {}
-
-    def __setitem__(self, module, stats) -> None:
-        super().__setitem__(module, stats)
-        self.by_name[stats.mod_fqn] = stats
-
-    def setdefault(self, module, default=None):
-        stats = super().setdefault(module, default)
-        self.by_name[stats.mod_fqn] = stats
-        return stats
-
-    def update(self, other=None, **kwargs) -> None:
-        for module, stats in dict(other or {}).items():
-            self[module] = stats
-        if kwargs:
-            raise TypeError("memory_tracking is keyed by module")
-
-    def clear(self) -> None:
-        super().clear()
-        self.by_name.clear()
-
-
-class Tracker(_Adjusted, MemTracker):
-    """PyTorch's ``MemTracker`` (see :class:`_Adjusted`)."""
-
-
-def fsdp_tracker(model, optimizer):
-    """PyTorch's ``FSDPMemTracker(model, optimizer)`` (see :class:`_Adjusted`)."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-    class FSDPTracker(_Adjusted, FSDPMemTracker):
-        pass
-
-    return FSDPTracker(model, optimizer)
-
-
-class _Flops(FlopCounterMode):
-    """PyTorch's ``FlopCounterMode``, attributing operators to the modules that the
-    memory tracker's ``ModTracker`` says are running.
-
-    ``FlopCounterMode``'s own ``ModuleTracker`` registers gradient hooks on the
-    tensors that activation checkpointing recomputes in the backward pass;
-    those hooks form reference cycles that keep the recomputed activations
-    alive until Python's cyclic collector runs, so the memory measured beside
-    it would depend on when the collector happens to run.  The memory
-    tracker's ``ModTracker`` names modules the same way and makes no such
-    cycle; sharing it also halves the module hooks of the step.
-    """
-
-    def __init__(self, mod_tracker) -> None:
-        super().__init__(display=False)
-        self.mod_tracker = mod_tracker
-
-    def __enter__(self):
-        self.flop_counts.clear()
-        self.mode = _FlopCounterMode(self)
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *args):
-        mode, self.mode = self.mode, None
-        return mode.__exit__(*args)
 
 
 def loss_of(output, token_ids=None) -> torch.Tensor:
@@ -240,7 +117,7 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
         tracker = Tracker()
         tracker.timeline = timeline
         tracker.track_external(model, optimizer)
-    counter = _Flops(tracker._mod_tracker)
+    counter = Flops(tracker._mod_tracker)
     forward: dict = {}
     modules = []
     # The memory tracker inside the counter: the counter decomposes some
@@ -295,7 +172,7 @@ def _autocast(model, dtype):
     if dtype is None:
         return contextlib.nullcontext()
     param = next(model.parameters(), None)
-    device = _local(param).device if param is not None else torch.device("cpu")
+    device = local_tensor(param).device if param is not None else torch.device("cpu")
     return torch.autocast(backend_device(device).type, dtype=dtype)
 
 

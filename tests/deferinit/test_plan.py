@@ -129,28 +129,6 @@ def test_planned_figures_equal_pytorch_fake_tensor_mode(name):
     assert ours.peak == theirs.peak and ours.flops == theirs.flops
 
 
-def test_the_tracker_gives_memtrackers_figures():
-    """Tracker only indexes MemTracker's per-operator peak update: same figures."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.utils.flop_counter import FlopCounterMode
-
-    results = []
-    for cls in (MemTracker, Tracker):
-        torch.manual_seed(0)
-        model = llama()
-        args, kwargs, _ = inputs("llama")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        tracker = cls()
-        tracker.track_external(model, opt)
-        with FlopCounterMode(display=False), tracker:
-            model(*args, **kwargs).loss.backward()
-            opt.step()
-            opt.zero_grad()
-        results.append((tracker.get_tracker_snapshot("peak"),
-                        {s.mod_fqn: (s.local_peak, s.snapshots) for s in tracker.memory_tracking.values()}))
-    assert results[0] == results[1]
-
-
 def test_the_flop_counter_gives_flopcountermodes_figures():
     """The step's FlopCounterMode shares the memory tracker's ModTracker: the same
     total and the same per-module forward counts as PyTorch's own."""
