@@ -100,6 +100,10 @@ class _Adjusted:
             self._update_peak_stats(self._STATE.PEAK_BW if backward else self._STATE.PEAK_FW)
         return res
 
+    # As PyTorch wraps the dispatch of each of its modes (TorchDispatchMode.__init_subclass__,
+    # which does not see a mixin's): Dynamo never traces into it.
+    __torch_dispatch__ = torch._disable_dynamo(__torch_dispatch__, recursive=True)
+
     def _collective_buffers(self, func, args) -> None:
         """Before the result is tracked: FSDP's communication buffers (FSDPTracker)."""
 

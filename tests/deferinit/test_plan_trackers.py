@@ -182,3 +182,18 @@ def test_each_tensor_visits_results_in_pytrees_order():
         trackers._each_tensor(result, lambda reftype, t: got.append((reftype, t)), "ref")
         assert [t for _, t in got] == want and all(r == "ref" for r, _ in got)
         assert [id(t) for _, t in got] == [id(t) for t in want]
+
+
+def test_the_tracker_measures_a_compiled_model_as_memtracker():
+    """torch.compile inside the tracked step: Dynamo does not trace into either
+    tracker's dispatch, and the figures are equal."""
+    def compiled():
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        torch._dynamo.reset()
+        model.compile(backend="eager")
+        return model
+
+    make_inputs = CASES["checkpointed"][1]
+    want = _run(compiled, make_inputs, lambda m, o: _memtracker(m, o, MemTracker), False)
+    got = _run(compiled, make_inputs, lambda m, o: _memtracker(m, o, Tracker), False)
+    assert got[0][3] and got[0] == want[0]
