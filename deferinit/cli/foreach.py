@@ -77,6 +77,20 @@ def bounds(kinds, chunk: int = CHUNK) -> list:
     return _plain(0, start, chunk) + middle + _plain(end, n, chunk)
 
 
+def _same_layout(first, lists) -> bool:
+    """Whether each DTensor of ``lists`` is laid out as the element of ``first`` at
+    its index: else DTensor redistributes every element of that list before the
+    local operator runs, all at once unchunked but a chunk at a time chunked, and
+    the chunked step's peak would be lower than the real step's."""
+    from torch.distributed.tensor import DTensor
+
+    for values in lists:
+        for t, u in zip(first, values):
+            if isinstance(u, DTensor) and (u.placements != t.placements or u.device_mesh != t.device_mesh):
+                return False
+    return True
+
+
 def _is_dtensor_list(value) -> bool:
     if not isinstance(value, (list, tuple)) or not value:
         return False
@@ -91,7 +105,9 @@ class ChunkedForeach(TorchFunctionMode):
     (:func:`bounds`); everything else passes through.
 
     Every list argument of the call's length is cut the same way (tensor lists
-    and scalar lists alike); other arguments go to each chunk unchanged.  The
+    and scalar lists alike); other arguments go to each chunk unchanged.  A call
+    whose other DTensor lists are laid out unlike the first runs whole
+    (:func:`_same_layout`).  The
     results of an out-of-place operator are joined in order.
     """
 
@@ -119,6 +135,9 @@ class ChunkedForeach(TorchFunctionMode):
         if not _is_dtensor_list(first) or len(first) <= self.chunk:
             return func(*args, **kwargs)
         n = len(first)
+        lists = [a for a in (*args[1:], *kwargs.values()) if isinstance(a, (list, tuple)) and len(a) == n]
+        if not _same_layout(first, lists):
+            return func(*args, **kwargs)
 
         def cut(value, lo, hi):
             return value[lo:hi] if isinstance(value, (list, tuple)) and len(value) == n else value

@@ -196,3 +196,29 @@ def test_a_periodic_dtensor_list_is_propagated_once_per_distinct_chunk(monkeypat
         with ChunkedForeach(chunk=3):
             torch._foreach_mul(a, 1.125)
         assert len(seen) == 1 + 2
+
+
+@pytest.mark.parametrize("other", ["replicate", "shard(1)", "partial"])
+def test_a_call_whose_lists_are_laid_out_differently_peaks_as_unchunked(other):
+    """``_foreach_add_(a, b)`` with ``a`` sharded on dim 0 and ``b`` laid out
+    otherwise: DTensor redistributes every element of ``b`` before the local
+    operator runs. PyTorch's unchunked call holds all of them at once; chunks
+    would hold a chunk's worth, and MemTracker's peak would be lower."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    placement, shape = {"replicate": (Replicate(), (32, 4)), "shard(1)": (Shard(1), (32, 1)),
+                        "partial": (Partial(), (32, 4))}[other]
+    results = []
+    for chunked in (False, True):
+        with fake_ranks(4, 1, "cpu") as mesh:
+            g = torch.Generator().manual_seed(0)
+            a = [DTensor.from_local(torch.rand(8, 4, generator=g), mesh, [Shard(0)], run_check=False) for _ in range(10)]
+            b = [DTensor.from_local(torch.rand(shape, generator=g), mesh, [placement], run_check=False) for _ in range(10)]
+            tracker = MemTracker()
+            with tracker, ChunkedForeach(chunk=3) if chunked else _nothing():
+                torch._foreach_add_(a, b)
+            results.append((tracker.get_tracker_snapshot("peak"), _locals(a)))
+    (want_peak, want_a), (got_peak, got_a) = results
+    assert got_peak == want_peak
+    assert all(torch.equal(x, y) for x, y in zip(got_a, want_a, strict=True))
