@@ -197,3 +197,53 @@ def test_the_tracker_measures_a_compiled_model_as_memtracker():
     want = _run(compiled, make_inputs, lambda m, o: _memtracker(m, o, MemTracker), False)
     got = _run(compiled, make_inputs, lambda m, o: _memtracker(m, o, Tracker), False)
     assert got[0][3] and got[0] == want[0]
+
+
+def _alone_in_pytorchs_trackers(name):
+    """Peak and FLOPs of one AdamW step, PyTorch's MemTracker inside its FlopCounterMode."""
+    torch.manual_seed(0)
+    model = CORPUS[name]()
+    args, kwargs, ids = inputs(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    tracker, counter = MemTracker(), FlopCounterMode(display=False)
+    tracker.track_external(model, opt)
+    with counter, tracker:
+        loss_of(model(*args, **kwargs), ids).backward()
+        opt.step()
+        opt.zero_grad()
+    return tracker.get_tracker_snapshot("peak"), counter.get_total_flops()
+
+
+def test_steps_measured_in_two_threads_at_once_are_each_measured_alone():
+    """PyTorch's trackers see modules through global module hooks: two steps
+    measured at the same time would each count the other's modules (or fail
+    in PyTorch's ModTracker), so measure_step measures one step at a time."""
+    import threading
+
+    from deferinit.cli.step import measure_step
+
+    names = ["llama", "gpt2"]
+    want = [_alone_in_pytorchs_trackers(name) for name in names]
+    start = threading.Barrier(len(names))
+    got, errors = {}, []
+
+    def measure(name):
+        try:
+            torch.manual_seed(0)
+            model = CORPUS[name]()
+            args, kwargs, ids = inputs(name)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            start.wait()
+            m = measure_step(model, args, kwargs, opt, token_ids=ids)
+            got[name] = (m.tracker.get_tracker_snapshot("peak"), m.flops)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=measure, args=(name,)) for name in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert [got[name] for name in names] == want
