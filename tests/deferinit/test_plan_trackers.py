@@ -40,7 +40,8 @@ def _logged(tracker):
 
 def _figures(tracker, log):
     return (tracker.get_tracker_snapshot("peak"), tracker.get_tracker_snapshot(),
-            {s.mod_fqn: (s.local_peak, s.snapshots) for s in tracker.memory_tracking.values()}, log)
+            [(s.mod_fqn, s.local_peak, s.snapshots) for s in tracker.memory_tracking.values()],
+            list(log))  # as the step left it: storages dying later are not the step's
 
 
 class _Checkpointed(nn.Module):
@@ -69,6 +70,22 @@ class _Lists(nn.Module):
         return torch.stack([parts[0].sum(), copies[0].sum(), copies[1].mean()]).sum()
 
 
+class _Unregistered(nn.Module):
+    """Blocks in a plain list, not children of the model: PyTorch's ModTracker
+    names each by its class, two modules named ``Linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.blocks = [nn.Linear(16, 64), nn.Linear(64, 16)]
+
+    def forward(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum()
+
+
 def _run(make_model, make_inputs, tracker_of, foreach):
     torch.manual_seed(0)
     model = make_model()
@@ -84,9 +101,10 @@ def _run(make_model, make_inputs, tracker_of, foreach):
             loss_of(model(*args, **kwargs), ids).backward()
             opt.step()
             opt.zero_grad()
+        figures = _figures(tracker, log)
     finally:
         gc.enable()
-    return _figures(tracker, log), [p.detach().clone() for p in model.parameters()]
+    return figures, [p.detach().clone() for p in model.parameters()]
 
 
 def _memtracker(model, opt, cls):
@@ -99,6 +117,7 @@ CASES = {
     **{name: (CORPUS[name], lambda name=name: inputs(name)) for name in sorted(CORPUS)},
     "checkpointed": (_Checkpointed, lambda: ((torch.randn(4, 16),), {}, None)),
     "lists": (_Lists, lambda: ((torch.randn(4, 16),), {}, None)),
+    "unregistered": (_Unregistered, lambda: ((torch.randn(4, 16),), {}, None)),
 }
 
 
