@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,11 @@ COLUMNS = {
     "activations": ("ACT", "INP"),
     "temporaries": ("TEMP", "ALL_GATHER", "REDUCE_SCATTER", "OTH"),
 }
+
+# PyTorch's trackers follow modules through global module hooks, which fire in
+# every thread: two steps measured at once would count each other's modules
+# (or fail in ModTracker), so steps are measured one at a time.
+_one_step_at_a_time = threading.RLock()
 
 
 def loss_of(output, token_ids=None) -> torch.Tensor:
@@ -105,10 +111,18 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
     forward pass and the loss run under ``torch.autocast`` with this dtype
     (mixed precision; the parameters stay as they are, the fp32 masters).
     ``timeline``: a :class:`~deferinit.cli.timeline.Timeline` that records
-    the memory over time.
+    the memory over time.  Steps measured from several threads are measured
+    one after the other: PyTorch's trackers see modules through global
+    module hooks, so modules another thread runs meanwhile outside
+    ``measure_step`` would be counted too.
     """
     if accumulate < 1:
         raise ValueError(f"accumulate must be at least 1, got {accumulate}")
+    with _one_step_at_a_time:
+        return _measure(model, args, kwargs, optimizer, token_ids, sharded, accumulate, autocast, timeline)
+
+
+def _measure(model, args, kwargs, optimizer, token_ids, sharded, accumulate, autocast, timeline) -> Measured:
     if sharded:
         tracker = fsdp_tracker(model, optimizer)
         tracker.timeline = timeline

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 import torch
@@ -123,34 +124,49 @@ class _Adjusted:
         by_name = self.memory_tracking.by_name
         curr_snap = self._curr_mem_snap
         for name in self._mod_tracker.parents:
-            mod_stats = by_name.get(name)
-            if mod_stats is not None and peak_state in mod_stats.snapshots:
-                for dev, dev_snap in curr_snap.items():
-                    if mod_stats.local_peak.get(dev, 0) < dev_snap["Total"]:
-                        mod_stats.local_peak[dev] = dev_snap["Total"]
-                        mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)  # {category: int}: a copy is a deep copy
+            for _, mod_stats in by_name.get(name, _NONE).values():
+                if peak_state in mod_stats.snapshots:
+                    for dev, dev_snap in curr_snap.items():
+                        if mod_stats.local_peak.get(dev, 0) < dev_snap["Total"]:
+                            mod_stats.local_peak[dev] = dev_snap["Total"]
+                            mod_stats.snapshots[peak_state][-1][dev] = dict(dev_snap)  # {category: int}: a copy is a deep copy
         for dev, dev_snap in curr_snap.items():
             if self._peak_mem.get(dev, 0) < dev_snap["Total"]:
                 self._peak_mem[dev] = dev_snap["Total"]
                 self._peak_mem_snap[dev] = dict(dev_snap)
 
 
+_NONE: dict = {}
+
+
 class _StatsByModule(WeakIdKeyDictionary):
     """The trackers' ``memory_tracking`` ({module: _ModMemStats}), also indexed by
     the module's name: ``_update_peak_stats`` looks up the running modules by
-    name after every operator."""
+    name after every operator.
+
+    Several modules can share a name (modules outside the model's tree, such
+    as blocks in a plain list, are named by their class) and PyTorch updates
+    each of them while that name runs: ``by_name`` is {name: {id(module):
+    (weak reference, stats)}}, dead modules dropped as others are added.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.by_name: dict = {}
 
+    def _index(self, module, stats) -> None:
+        same_name = self.by_name.setdefault(stats.mod_fqn, {})
+        for key in [k for k, (ref, _) in same_name.items() if ref() is None]:
+            del same_name[key]
+        same_name[id(module)] = (weakref.ref(module), stats)
+
     def __setitem__(self, module, stats) -> None:
         super().__setitem__(module, stats)
-        self.by_name[stats.mod_fqn] = stats
+        self._index(module, stats)
 
     def setdefault(self, module, default=None):
         stats = super().setdefault(module, default)
-        self.by_name[stats.mod_fqn] = stats
+        self._index(module, stats)
         return stats
 
     def update(self, other=None, **kwargs) -> None:

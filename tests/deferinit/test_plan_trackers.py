@@ -41,7 +41,8 @@ def _logged(tracker):
 
 def _figures(tracker, log):
     return (tracker.get_tracker_snapshot("peak"), tracker.get_tracker_snapshot(),
-            {s.mod_fqn: (s.local_peak, s.snapshots) for s in tracker.memory_tracking.values()}, log)
+            [(s.mod_fqn, s.local_peak, s.snapshots) for s in tracker.memory_tracking.values()],
+            list(log))  # as the step left it: storages dying later are not the step's
 
 
 class _Checkpointed(nn.Module):
@@ -70,6 +71,22 @@ class _Lists(nn.Module):
         return torch.stack([parts[0].sum(), copies[0].sum(), copies[1].mean()]).sum()
 
 
+class _Unregistered(nn.Module):
+    """Blocks in a plain list, not children of the model: PyTorch's ModTracker
+    names each by its class, two modules named ``Linear``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.blocks = [nn.Linear(16, 64), nn.Linear(64, 16)]
+
+    def forward(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return x.sum()
+
+
 def _run(make_model, make_inputs, tracker_of, foreach):
     torch.manual_seed(0)
     model = make_model()
@@ -85,9 +102,10 @@ def _run(make_model, make_inputs, tracker_of, foreach):
             loss_of(model(*args, **kwargs), ids).backward()
             opt.step()
             opt.zero_grad()
+        figures = _figures(tracker, log)
     finally:
         gc.enable()
-    return _figures(tracker, log), [p.detach().clone() for p in model.parameters()]
+    return figures, [p.detach().clone() for p in model.parameters()]
 
 
 def _memtracker(model, opt, cls):
@@ -100,6 +118,7 @@ CASES = {
     **{name: (CORPUS[name], lambda name=name: inputs(name)) for name in sorted(CORPUS)},
     "checkpointed": (_Checkpointed, lambda: ((torch.randn(4, 16),), {}, None)),
     "lists": (_Lists, lambda: ((torch.randn(4, 16),), {}, None)),
+    "unregistered": (_Unregistered, lambda: ((torch.randn(4, 16),), {}, None)),
 }
 
 
@@ -190,3 +209,53 @@ def test_the_tracker_measures_a_compiled_model_as_memtracker():
     want = _run(compiled, make_inputs, lambda m, o: _memtracker(m, o, MemTracker), False)
     got = _run(compiled, make_inputs, lambda m, o: _memtracker(m, o, Tracker), False)
     assert got[0][3] and got[0] == want[0]
+
+
+def _alone_in_pytorchs_trackers(name):
+    """Peak and FLOPs of one AdamW step, PyTorch's MemTracker inside its FlopCounterMode."""
+    torch.manual_seed(0)
+    model = CORPUS[name]()
+    args, kwargs, ids = inputs(name)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    tracker, counter = MemTracker(), FlopCounterMode(display=False)
+    tracker.track_external(model, opt)
+    with counter, tracker:
+        loss_of(model(*args, **kwargs), ids).backward()
+        opt.step()
+        opt.zero_grad()
+    return tracker.get_tracker_snapshot("peak"), counter.get_total_flops()
+
+
+def test_steps_measured_in_two_threads_at_once_are_each_measured_alone():
+    """PyTorch's trackers see modules through global module hooks: two steps
+    measured at the same time would each count the other's modules (or fail
+    in PyTorch's ModTracker), so measure_step measures one step at a time."""
+    import threading
+
+    from deferinit.cli.step import measure_step
+
+    names = ["llama", "gpt2"]
+    want = [_alone_in_pytorchs_trackers(name) for name in names]
+    start = threading.Barrier(len(names))
+    got, errors = {}, []
+
+    def measure(name):
+        try:
+            torch.manual_seed(0)
+            model = CORPUS[name]()
+            args, kwargs, ids = inputs(name)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+            start.wait()
+            m = measure_step(model, args, kwargs, opt, token_ids=ids)
+            got[name] = (m.tracker.get_tracker_snapshot("peak"), m.flops)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=measure, args=(name,)) for name in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert [got[name] for name in names] == want
