@@ -203,7 +203,10 @@ def test_the_trackers_index_of_running_modules_follows_every_way_of_adding_stats
     table[a] = _ModMemStats("a")
     table.setdefault(b, _ModMemStats("b"))
     table.update({c: _ModMemStats("c")})
-    assert {name: stats.mod_fqn for name, stats in table.by_name.items()} == {"a": "a", "b": "b", "c": "c"}
-    assert all(table.by_name[s.mod_fqn] is s for s in table.values())
+    d = nn.Linear(1, 1)
+    table[d] = _ModMemStats("a")  # a second module of that name: both are indexed
+    indexed = {name: [stats for _, stats in same.values()] for name, same in table.by_name.items()}
+    assert {name: [s.mod_fqn for s in stats] for name, stats in indexed.items()} == {"a": ["a", "a"], "b": ["b"], "c": ["c"]}
+    assert all(any(t is s for t in indexed[s.mod_fqn]) for s in table.values())
     table.clear()
     assert not table.by_name and not list(table.values())
