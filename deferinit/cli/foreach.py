@@ -29,8 +29,6 @@ Example::
     ...     out = torch._foreach_mul(dtensors, 2.0)   # calls of 2, 2, 2 and 1 DTensors
     >>> len(out)
     7
-    >>> bounds([0, 1, 2, 3, 1, 2, 3, 1, 2, 3, 4], chunk=4)   # head, 3 periods of 3, tail
-    [(0, 1), (1, 4), (4, 7), (7, 10), (10, 11)]
 """
 
 from __future__ import annotations
@@ -53,6 +51,13 @@ def bounds(kinds, chunk: int = CHUNK) -> list:
     """``[(lo, hi), ...]``: consecutive chunks of at most ``chunk`` covering a list
     whose elements are of ``kinds`` (equal kinds: equal specs), cut on the
     list's period where one repeats at least three times, else every ``chunk``.
+
+    Example::
+
+        >>> bounds([0, 1, 2, 3, 1, 2, 3, 1, 2, 3, 4], chunk=4)   # head, 3 periods of 3, tail
+        [(0, 1), (1, 4), (4, 7), (7, 10), (10, 11)]
+        >>> bounds([5, 6, 7, 8, 9], chunk=2)   # no period
+        [(0, 2), (2, 4), (4, 5)]
     """
     n = len(kinds)
     best, period = 0, 0
@@ -107,8 +112,8 @@ class ChunkedForeach(TorchFunctionMode):
     Every list argument of the call's length is cut the same way (tensor lists
     and scalar lists alike); other arguments go to each chunk unchanged.  A call
     whose other DTensor lists are laid out unlike the first runs whole
-    (:func:`_same_layout`).  The
-    results of an out-of-place operator are joined in order.
+    (:func:`_same_layout`).  The results of an out-of-place operator are
+    joined in order.
     """
 
     def __init__(self, chunk: int = CHUNK) -> None:

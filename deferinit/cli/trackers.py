@@ -39,7 +39,15 @@ _SCALARS = (int, float, bool, str, torch.dtype, torch.device)
 
 def local_tensor(t):
     """The local tensor of a DTensor, else ``t``: DTensor reports the C++ device of its
-    local tensor, which for a fake CUDA tensor on a build without CUDA is CPU."""
+    local tensor, which for a fake CUDA tensor on a build without CUDA is CPU.
+
+    Example::
+
+        >>> local_tensor(distribute_tensor(torch.ones(8), mesh, [Shard(0)])).shape   # 4 ranks
+        torch.Size([2])
+        >>> t = torch.ones(3); local_tensor(t) is t
+        True
+    """
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) else t
 
