@@ -52,6 +52,14 @@ def time_limit(seconds):
         signal.signal(signal.SIGALRM, old)
 
 
+@contextlib.contextmanager
+def quiet_build(seconds):
+    """How every build of the sweep runs: within ``seconds``, its warnings silenced."""
+    with time_limit(seconds), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 # --------------------------------------------------------------- comparison
 
 
@@ -153,8 +161,7 @@ def check(build, reverse=False, eager_limit=20.0, limit=60.0):
     t0 = time.perf_counter()
     try:
         torch.manual_seed(0)
-        with time_limit(eager_limit), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_build(eager_limit):
             eager = build()
         after = torch.rand(8)
     except Exception as exc:
@@ -163,8 +170,7 @@ def check(build, reverse=False, eager_limit=20.0, limit=60.0):
     eager_s = time.perf_counter() - t0
     phase = "deferral"
     try:
-        with time_limit(limit), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_build(limit):
             torch.manual_seed(0)
             deferred = deferred_init(build)
             leak = state_problem(before)
@@ -188,8 +194,7 @@ def check(build, reverse=False, eager_limit=20.0, limit=60.0):
     if diff is None and reverse:
         phase = "reverse materialization"
         try:
-            with time_limit(limit), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with quiet_build(limit):
                 torch.manual_seed(0)
                 deferred = deferred_init(build)
                 torch.rand(3)  # the generator moves in between
