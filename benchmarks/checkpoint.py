@@ -134,7 +134,7 @@ def child(model_name: str, arm: str, folder: str, quick: bool) -> dict:
     if arm == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     from deferinit import deferred_init
-    from materialize import load_checkpoint, materialize_module
+    from deferinit.materialize import load_checkpoint, materialize_module
 
     path = os.path.join(folder, "model.safetensors")
     torch.manual_seed(0)

@@ -94,7 +94,7 @@ def _load(rank, world, folder, arm, quick):
     from torch.profiler import ProfilerActivity, profile
 
     from deferinit import deferred_init
-    from materialize import load_checkpoint, materialize_module
+    from deferinit.materialize import load_checkpoint, materialize_module
 
     from torch.distributed.fsdp import fully_shard
 

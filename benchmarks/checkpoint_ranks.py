@@ -69,7 +69,7 @@ def _load(rank, world, path, arm, quick):
 
     from checkpoint import quick_models
     from deferinit import deferred_init
-    from materialize import load_checkpoint, materialize_module
+    from deferinit.materialize import load_checkpoint, materialize_module
     from materialize_speed import gpt_185m
 
     build = quick_models()["gpt"][1] if quick else gpt_185m

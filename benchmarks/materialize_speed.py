@@ -75,7 +75,7 @@ def child(model: str, mode: str) -> dict:
 
     build = MODELS[model]
     from deferinit import deferred_init
-    from materialize import materialize_module
+    from deferinit.materialize import materialize_module
 
     if model.startswith("llama"):
         import transformers  # noqa: F401  (import cost outside the timings)

@@ -52,9 +52,9 @@ def child(state: str) -> None:
     keep = []
     if state != "torch alone":
         import deferinit  # noqa: F401
-        import materialize  # noqa: F401
+        import deferinit.materialize  # noqa: F401
     if state == "a fake made":
-        from fake import fake_mode
+        from deferinit.fake import fake_mode
 
         with fake_mode():
             keep.append(torch.ones(2))

@@ -79,7 +79,7 @@ def child(case: str, quick: bool) -> dict:
     from deferinit.cli.recipe import Recipe, plan_step
     from deferinit.cli.step import measure_step
     from deferinit.demo import Llama
-    from fake import fake_mode
+    from deferinit.fake import fake_mode
 
     shape, batch = _shape(quick)
     device = "cpu" if case.endswith("-cpu") else "cuda"

@@ -7,7 +7,7 @@
    the bytes it keeps after materialization, the largest transient (the
    full parameter a replay computes before cutting this rank's slice) and
    their sum, the rank's peak, all read from the record by
-   ``materialize.distributed.sharded_memory_plan``; and the time to record
+   ``deferinit.materialize.distributed.sharded_memory_plan``; and the time to record
    the model, to shard it and to plan.
 2. **For real.**  A 1.1B-parameter Llama (bf16) sharded over 8 ranks: rank
    0's shards are materialized (and checked against eager slices), next to
@@ -113,7 +113,7 @@ def reset_peak() -> bool:
 
 
 def child_paper(world: int, rank: int, quick: bool) -> dict:
-    from materialize.distributed import sharded_memory_plan
+    from deferinit.materialize.distributed import sharded_memory_plan
 
     big, _ = configs(quick)
     with fake_rank(rank, world):
@@ -140,8 +140,8 @@ def child_paper(world: int, rank: int, quick: bool) -> dict:
 def child_real(world: int, rank: int, quick: bool) -> dict:
     import torch
 
-    from materialize import materialize_module
-    from materialize.distributed import sharded_memory_plan
+    from deferinit.materialize import materialize_module
+    from deferinit.materialize.distributed import sharded_memory_plan
 
     _, small = configs(quick)
     measured = reset_peak()

@@ -4,7 +4,7 @@ Example::
 
     >>> import torch
     >>> from deferinit import deferred_init, is_deferred
-    >>> from materialize import materialize_module
+    >>> from deferinit.materialize import materialize_module
     >>> m = deferred_init(torch.nn.Linear, 8192, 8192, device="cuda")
     >>> is_deferred(m)
     True
@@ -41,7 +41,7 @@ from .errors import (
     RecordingError,
     ReplayError,
 )
-from fake import handlers
+from deferinit.fake import handlers
 
 from .recorder import RECORDER
 from .session import deferred, deferred_init, is_deferred
@@ -80,13 +80,13 @@ def _evaluate(fakes, operation):
     # Values a constructor reads while recording (.item(), bool()) are
     # computed by the interpreter, which lives in the layer above; the
     # front door, which alone may know every layer, hands it to the recorder.
-    from materialize.evaluate import evaluate
+    from deferinit.materialize.evaluate import evaluate
 
     return evaluate(fakes, operation)
 
 
 def _generator_state(stream, k):
-    from materialize.evaluate import generator_state
+    from deferinit.materialize.evaluate import generator_state
 
     return generator_state(stream, k)
 
@@ -95,7 +95,7 @@ def _explain_data_access(error, fake):
     # Data accesses that a library's idiom explains (FSDP1 flattening deferred
     # parameters it did not materialize) are named with their fix by the layer
     # that holds the fix.
-    from materialize.fsdp1 import explain_data_access
+    from deferinit.materialize.fsdp1 import explain_data_access
 
     return explain_data_access(error, fake)
 
@@ -114,12 +114,12 @@ def __getattr__(name):
 
         return to_dot
     if name in ("materialize_module", "materialize_tensor"):
-        import materialize
+        from deferinit import materialize
 
         return getattr(materialize, name)
     raise AttributeError(f"module 'deferinit' has no attribute {name!r}")
 
 
-from fake.compiling import skip_compiling as _skip_compiling  # noqa: E402
+from deferinit.fake.compiling import skip_compiling as _skip_compiling  # noqa: E402
 
 _skip_compiling("deferinit")  # see fake/compiling.py

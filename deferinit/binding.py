@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.tensor import FakeTensor, describe
+from deferinit.fake.tensor import FakeTensor, describe
 
 from .errors import RecordingError
 from .graph import Storage, Value

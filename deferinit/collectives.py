@@ -40,9 +40,9 @@ import hashlib
 
 import torch
 
-from fake.bypass import no_python_dispatch
-from fake.dispatch import run
-from fake.tensor import FakeTensor
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.dispatch import run
+from deferinit.fake.tensor import FakeTensor
 
 from .effects import root_value
 from .errors import RecordingError
@@ -159,7 +159,7 @@ def _split_source(out: FakeTensor, func):
     """``(source, split_size, dim)``: the tensor DTensor split into the scatter's
     pieces, found from the output, which it allocates like one of the pieces
     (``empty_like``).  Raises :class:`CollectiveError` for any other pattern."""
-    from fake.flat import unflatten
+    from deferinit.fake.flat import unflatten
 
     def fail(why):
         return CollectiveError(

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.opinfo import op_info
+from deferinit.fake.opinfo import op_info
 
 from .boxes import as_box
 from .graph import Input

@@ -93,15 +93,15 @@ class DeferredWriteError(RecordingError):
 
 class FSDP1DeferredModuleError(DeferredInitError):
     """``FullyShardedDataParallel`` (FSDP1) flattened deferred parameters it did not
-    materialize: it was built outside ``materialize.distributed.fsdp1_hooks()``,
+    materialize: it was built outside ``deferinit.materialize.distributed.fsdp1_hooks()``,
     or its ``param_init_fn`` left them deferred."""
 
 
 #: How FSDP1 is built on a deferred model, for the messages that point to it.
 FSDP1_FIX = (
-    "Build the FSDP instance inside materialize.distributed.fsdp1_hooks(), which lets FSDP1 recognise "
+    "Build the FSDP instance inside deferinit.materialize.distributed.fsdp1_hooks(), which lets FSDP1 recognise "
     "deferred modules and materialize each unit before flattening it: "
-    "`from materialize.distributed import fsdp1_hooks, param_init_fn`, then "
+    "`from deferinit.materialize.distributed import fsdp1_hooks, param_init_fn`, then "
     "`with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn, ...)` "
     "(without param_init_fn, FSDP1 materializes each unit itself). See docs/sharded.md."
 )

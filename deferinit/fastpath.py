@@ -21,13 +21,13 @@ import math
 
 import torch
 
-from fake.checks import check_fill
-from fake.device import kind_of, normalize
-from fake.flat import flatten
-from fake.function import default_device
-from fake.opinfo import op_info
-from fake.state import current_intended_device
-from fake.tensor import FakeTensor, make_fake
+from deferinit.fake.checks import check_fill
+from deferinit.fake.device import kind_of, normalize
+from deferinit.fake.flat import flatten
+from deferinit.fake.function import default_device
+from deferinit.fake.opinfo import op_info
+from deferinit.fake.state import current_intended_device
+from deferinit.fake.tensor import FakeTensor, make_fake
 
 from .graph import Input, Node, Storage, Value
 from .rng import key_of_generator
@@ -132,7 +132,7 @@ def detach(record, args, kwargs):
         return NotImplemented
     d = self.__dict__
     # Aliases may share a shadow: in-place ops that could change a
-    # geometry give the fake its own shadow first (fake.dispatch.run).
+    # geometry give the fake its own shadow first (deferinit.fake.dispatch.run).
     fake = make_fake(d["_shadow"], d["_device"])
     f = fake.__dict__
     f["_record"] = d["_record"]
@@ -182,7 +182,7 @@ def _fill(op):
             if type(x) is not float and type(x) is not int and type(x) is not bool:
                 return NotImplemented
         shadow = d["_shadow"]
-        # Eager's argument checks, which meta kernels skip (fake.checks).
+        # Eager's argument checks, which meta kernels skip (deferinit.fake.checks).
         check_fill(op, shadow, tuple(scalars), generator)
         shape = (len(scalars), generator is not None)
         spec = specs.get(shape)
@@ -246,7 +246,7 @@ def _init(method, names):
 # and a second call of the function: transformers' _init_weights runs one per
 # parameter.  Keyed by function and by code: the function mode finds the
 # body meant by the code of the prologue when the name it passes has been
-# replaced (fake.mode._prologue).
+# replaced (deferinit.fake.mode._prologue).
 _uniform = _init(torch.Tensor.uniform_, ("tensor", "a", "b", "generator"))
 for _function, _handler in (
     (torch.nn.init.normal_, _init(torch.Tensor.normal_, ("tensor", "mean", "std", "generator"))),

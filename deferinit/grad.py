@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from fake.flat import flatten
-from fake.tensor import FakeTensor
+from deferinit.fake.flat import flatten
+from deferinit.fake.tensor import FakeTensor
 
 from .graph import Input, Leaf, Node
 

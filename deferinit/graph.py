@@ -52,7 +52,7 @@ class Node:
     an outside tensor by reference and ``version`` its version counter),
     ``"opaque"`` (a Python initialiser re-run as a whole at replay) or
     ``"load"`` (a write of the tensor read in ``flat[0]`` with the checkpoint
-    tensor in ``payload``; see :mod:`materialize.checkpoint`).
+    tensor in ``payload``; see :mod:`deferinit.materialize.checkpoint`).
     ``flat``/``spec`` are the flattened ``(args, kwargs)`` with
     :class:`Input` in place of tensors.
     """

@@ -28,7 +28,7 @@ end) are replayed **for the generator**: in-place fills draw into scratch
 memory of the same geometry, freed at once.  Dead draws that a *load* hides
 (a checkpoint load, or a ``copy_`` from a real tensor made after deferral,
 as ``load_state_dict`` makes: :func:`~deferinit.effects.is_load`) are
-marked ``hidden_by_load``: :mod:`materialize.generators` does not replay
+marked ``hidden_by_load``: :mod:`deferinit.materialize.generators` does not replay
 them to reach the end of a stream.
 
 Values whose storage is gone (temporaries nobody holds any more) and

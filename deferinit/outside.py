@@ -35,8 +35,8 @@ import weakref
 
 from torch.nn import Module
 
-from fake.state import in_fake_mode
-from fake.tensor import FakeTensor, describe
+from deferinit.fake.state import in_fake_mode
+from deferinit.fake.tensor import FakeTensor, describe
 
 from .errors import FSDP1_FIX, DeferredModuleWarning, DeferredWriteError
 from .where import tensor_name, training
@@ -96,7 +96,7 @@ def _warning(module) -> str:
         # the missing fsdp1_hooks() shows only here.
         return (
             f"{cls} (FSDP1) wraps a module that is still deferred, so this forward pass computes on fake "
-            "tensors: FSDP1 recognises deferred modules only inside materialize.distributed.fsdp1_hooks(), "
+            "tensors: FSDP1 recognises deferred modules only inside deferinit.materialize.distributed.fsdp1_hooks(), "
             f"and did not materialize it. Build the model again (deferred_init), then: {FSDP1_FIX} "
             "Shown once per module."
         )
@@ -104,7 +104,7 @@ def _warning(module) -> str:
         f"{cls} is still deferred: its parameters and buffers have no values yet, so this "
         "forward pass computes on fake tensors (shapes only) and is not recorded. Call "
         "materialize_module(model) first to compute real values, or run the pass inside "
-        "fake.fake_mode() to plan memory and FLOPs (no warning there). Shown once per module."
+        "deferinit.fake.fake_mode() to plan memory and FLOPs (no warning there). Shown once per module."
     )
 
 
@@ -122,7 +122,7 @@ def _write_message(func, tensor, module, optimizer, backward) -> str:
     return (
         f"{func} writes {what} {during}. Such a computation runs on fakes and is not "
         "recorded, so this write could neither be recorded faithfully nor dropped without "
-        "changing what you asked for. Run the training step inside fake.fake_mode() to plan it "
+        "changing what you asked for. Run the training step inside deferinit.fake.fake_mode() to plan it "
         "(writes then touch fakes only, and materialization still gives eager construction's "
         "values), or materialize the model first: materialize_module(model)."
     )

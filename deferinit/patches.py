@@ -17,7 +17,7 @@ import functools
 
 import torch.nn.init as _init
 
-from fake.patch import SharedPatch
+from deferinit.fake.patch import SharedPatch
 
 from .recorder import RECORDER, is_deferred_fake
 

@@ -35,10 +35,10 @@ import weakref
 
 import torch
 
-from fake.compiling import not_inlined
-from fake.patch import SharedPatch
-from fake.state import in_fake_mode
-from fake.tensor import FakeTensor
+from deferinit.fake.compiling import not_inlined
+from deferinit.fake.patch import SharedPatch
+from deferinit.fake.state import in_fake_mode
+from deferinit.fake.tensor import FakeTensor
 
 from .errors import PendingDrawsWarning
 from .record import CHAINS, current_record

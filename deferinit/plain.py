@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.bypass import no_python_dispatch
+from deferinit.fake.bypass import no_python_dispatch
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 

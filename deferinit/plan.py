@@ -1,6 +1,6 @@
 """What a replay must run: the closure of some reads and the random draws before them.
 
-Shared by the interpreter (:mod:`materialize.replay`), the printed graph
+Shared by the interpreter (:mod:`deferinit.materialize.replay`), the printed graph
 (:mod:`deferinit.view`) and the graphviz view, so it lives beside the graph.
 
 * **The closure.**  To read a value at a version, replay its creator and the
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.device import normalize
+from deferinit.fake.device import normalize
 
 from .errors import ReplayError
 from .graph import FreshRead, Input, Node, version_seq

@@ -38,8 +38,8 @@ import inspect
 
 import torch
 
-from fake.bypass import no_python_dispatch
-from fake.flat import flatten
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.flat import flatten
 
 from .graph import Input, Node
 from .record import FOREIGN

@@ -1,6 +1,6 @@
 """The recorder: computes operations on deferred fakes and appends them to the graph.
 
-It extends the plain fake handler of :mod:`fake.dispatch`.  Every operator
+It extends the plain fake handler of :mod:`deferinit.fake.dispatch`.  Every operator
 that touches a recorded fake (or runs inside ``deferred_init``) becomes a
 :class:`~deferinit.graph.Node`; its fresh outputs get a
 :class:`~deferinit.graph.Value` on a new storage, or on their base's storage
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from fake import handlers
-from fake.flat import flatten, flatten_output, unflatten, unflatten_output
-from fake.bypass import no_python_dispatch
-from fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, views_real, writes_real
-from fake.opinfo import op_info
-from fake.state import in_fake_mode
-from fake.errors import FakeDataAccessError, UnsupportedOperatorError
-from fake.tensor import FakeTensor, describe
+from deferinit.fake import handlers
+from deferinit.fake.flat import flatten, flatten_output, unflatten, unflatten_output
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, views_real, writes_real
+from deferinit.fake.opinfo import op_info
+from deferinit.fake.state import in_fake_mode
+from deferinit.fake.errors import FakeDataAccessError, UnsupportedOperatorError
+from deferinit.fake.tensor import FakeTensor, describe
 
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
@@ -41,7 +41,7 @@ LIFT_OPS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
 SAME_VALUE_OPS = frozenset({aten.detach.default, aten.alias.default})
 
 class Recorder(FakeHandler):
-    """Handler for recorded fakes (registered with :mod:`fake.handlers`)."""
+    """Handler for recorded fakes (registered with :mod:`deferinit.fake.handlers`)."""
 
     # Function-level fast paths for the calls every constructor makes.
     fast = FAST
@@ -359,7 +359,7 @@ class Recorder(FakeHandler):
 
         Computing values needs the interpreter, which lives in the layer
         above; the front door (``deferinit/__init__.py``) installs
-        ``materialize.evaluate.evaluate`` here.
+        ``deferinit.materialize.evaluate.evaluate`` here.
         """
         raise DataDependentError(
             f"{operation} needs the value of a deferred tensor, and no interpreter is installed "

@@ -34,7 +34,7 @@ import weakref
 
 import torch
 
-from fake.device import exists, normalize
+from deferinit.fake.device import exists, normalize
 
 from .graph import event_seq
 

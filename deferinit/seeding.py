@@ -49,9 +49,9 @@ import weakref
 
 import torch
 
-from fake.bypass import no_python_dispatch
-from fake.device import normalize
-from fake.tensor import FakeTensor
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.device import normalize
+from deferinit.fake.tensor import FakeTensor
 
 from .patches import SharedPatch
 from .record import CHAINS, FOREIGN, Record, current_record

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from fake.mode import fake_modes
+from deferinit.fake.mode import fake_modes
 
 from . import patches, pending, seeding
 from .holdings import module_tensors
@@ -22,7 +22,7 @@ def deferred_init(module_fn, *args, **kwargs):
     Returns what ``module_fn`` returns.  No parameter or buffer memory is
     allocated; every tensor made inside is a fake that reports the device it
     was asked for (``cuda`` works without CUDA) and remembers how it was
-    computed, so :func:`materialize.materialize_module` can later produce
+    computed, so :func:`deferinit.materialize.materialize_module` can later produce
     exactly the values eager construction would have.  The default random
     generator is not advanced.  Nested calls share one record; the recording
     is per thread; on an exception everything entered is left again and the

@@ -26,7 +26,7 @@ class ReplayStream:
     is shared with the record, so what a replay learns serves the next);
     ``prev`` is the replay stream of the record this one continues; ``left``
     lists the states the real generator may still be in when nothing drew
-    from it since deferral (see :mod:`materialize.generators`); ``planned``
+    from it since deferral (see :mod:`deferinit.materialize.generators`); ``planned``
     the positions of the draws the replay's reads depend on, if only for
     their geometry (the plan fills it).
     """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.flat import unflatten
+from deferinit.fake.flat import unflatten
 
 from .graph import Input, Node
 from .recorder import is_deferred_fake

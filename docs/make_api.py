@@ -20,8 +20,8 @@ if ROOT not in sys.path:
 PUBLIC = [
     ("deferinit", ["deferred_init", "deferred", "is_deferred", "graph_of", "to_dot"]),
     ("deferinit.view", ["Graph"]),
-    ("materialize", ["materialize_module", "materialize_tensor", "load_checkpoint", "LoadResult"]),
-    ("fake", ["fake_mode", "is_fake", "meta_like", "FakeTensor", "FakeStorage"]),
+    ("deferinit.materialize", ["materialize_module", "materialize_tensor", "load_checkpoint", "LoadResult"]),
+    ("deferinit.fake", ["fake_mode", "is_fake", "meta_like", "FakeTensor", "FakeStorage"]),
     (
         "deferinit",
         [
@@ -43,10 +43,10 @@ PUBLIC = [
             "CheckpointReadError",
         ],
     ),
-    ("fake", ["FakeTensorError", "FakeDataAccessError", "FakeIntoRealError", "UnsupportedOperatorError"]),
+    ("deferinit.fake", ["FakeTensorError", "FakeDataAccessError", "FakeIntoRealError", "UnsupportedOperatorError"]),
     ("deferinit.dot", ["write", "GraphViewError", "GraphvizNotFoundError", "GraphFormatError"]),
     ("deferinit.collectives", ["CollectiveError"]),
-    ("materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_plan", "fsdp_held_fakes"]),
+    ("deferinit.materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_plan", "fsdp_held_fakes"]),
 ]
 
 

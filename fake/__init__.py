@@ -3,7 +3,7 @@
 Example::
 
     >>> import torch
-    >>> from fake import fake_mode, is_fake, meta_like
+    >>> from deferinit.fake import fake_mode, is_fake, meta_like
     >>> with fake_mode(fake_cuda=True):
     ...     x = torch.ones(2, 3, device="cuda")
     >>> x
@@ -38,4 +38,4 @@ __all__ = [
 
 from .compiling import skip_compiling as _skip_compiling
 
-_skip_compiling("fake")  # torch.compile runs our code as written: see fake/compiling.py
+_skip_compiling("deferinit.fake")  # torch.compile runs our code as written: see fake/compiling.py

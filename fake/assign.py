@@ -22,7 +22,7 @@ eager refuses (an integer ``t`` for a ``p`` that requires grad, tensors of
 incompatible kinds, ``set_`` across dtypes or devices) raises eager's
 error; what cannot become a fake (a tensor with a ``.grad``, a non-leaf, a
 view, a tensor subclass with a dispatch of its own or with ``__slots__``)
-raises :class:`~fake.errors.FakeIntoRealError`; both leave ``p`` as it was.
+raises :class:`~deferinit.fake.errors.FakeIntoRealError`; both leave ``p`` as it was.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ and messages are eager's):
   ``min``, ``max``): converted to the output's dtype as the kernel does, so
   ``fill_(1000)`` on ``int8`` overflows here too.
 - writes into a tensor with internal overlap (an ``expand``-ed tensor): the CPU
-  kernel runs on stand-ins of the same geometry (:mod:`fake.standin`), which
+  kernel runs on stand-ins of the same geometry (:mod:`deferinit.fake.standin`), which
   raises where eager raises (``normal_``, ``add_``, ``copy_``) and not where
   it does not (``fill_``, ``zero_``).  Ops that change only a geometry in place
   (``as_strided_``, ``t_``, ``resize_``) write no elements and are not checked.

@@ -34,7 +34,7 @@ def skip_compiling(package: str) -> int:
 
     Example::
 
-        >>> skip_compiling("fake") >= 0
+        >>> skip_compiling("deferinit.fake") >= 0
         True
     """
     if set_code_exec_strategy is None:

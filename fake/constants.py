@@ -29,12 +29,12 @@ ids of 16 sequences of 8192 tokens); PyTorch's ``FakeTensorMode`` keeps
 constants of one element only.
 
 The value belongs to the *memory*, not to one tensor object: it is kept on
-the fake storage (:mod:`fake.storage`) as real bytes of the same size, and
+the fake storage (:mod:`deferinit.fake.storage`) as real bytes of the same size, and
 each fake reads it through its own size, strides and offset.  Views,
 ``detach()`` and in-place results therefore agree with each other at all
 times, as real aliases do, and a write through one alias reaches the
 others.  Reading the value of anything else still raises
-:class:`~fake.errors.FakeDataAccessError`.
+:class:`~deferinit.fake.errors.FakeDataAccessError`.
 
 Example::
 
@@ -47,7 +47,7 @@ Example::
     (1.0, 3.0, True)
     >>> weights.sum().item()
     Traceback (most recent call last):
-    fake.errors.FakeDataAccessError: item() needs the data of a fake tensor ...
+    deferinit.fake.errors.FakeDataAccessError: item() needs the data of a fake tensor ...
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _real_args(flat, fake_type):
 
 
 def after(call, func, fake_type) -> None:
-    """Keep, compute or forget the values touched by ``call`` (a :class:`fake.dispatch.Call`)."""
+    """Keep, compute or forget the values touched by ``call`` (a :class:`deferinit.fake.dispatch.Call`)."""
     if call.device.type == "meta" or not (call.fresh or call.mutated):
         return
     info = call.info

@@ -61,7 +61,7 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
 
     ``convert_real(t)`` returns the meta stand-in of a real tensor argument;
     the default makes a meta twin.  The output device follows the rules in
-    :mod:`fake.device`.  Outputs that are the meta shadow of an input (in-place
+    :mod:`deferinit.fake.device`.  Outputs that are the meta shadow of an input (in-place
     ops) come back as that same input fake, with its geometry brought up to
     date (``t_()``, ``resize_()``, ``as_strided_()`` change it).
     """
@@ -111,7 +111,7 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
     margs, mkwargs = unflatten(metas, spec)
     is_meta = kind_of(device) == "meta"
     if not is_meta:
-        # What eager kernels reject and meta kernels let through (fake.checks).
+        # What eager kernels reject and meta kernels let through (deferinit.fake.checks).
         check_arguments(func, margs, mkwargs, info.written(margs, mkwargs) if info.writes else ())
 
     if info.skip_meta and isinstance(args[0], FakeTensor):
@@ -163,10 +163,10 @@ def _options_device(tensor_devices):
     """The device an explicit ``device=cpu`` means when C++ wrote it.
 
     Inside a torch function called on a fake whose C++ side sits on CPU (see
-    ``fake.mode._backend_stands_for``), C++ code that builds tensors with
+    ``deferinit.fake.mode._backend_stands_for``), C++ code that builds tensors with
     that fake's options asks for CPU and means the fake's device: a factory
     (SDPA's masks) or an operator on such fakes (``rms_norm``'s cast back).
-    Python calls never get here with such a device (fake.function rewrites
+    Python calls never get here with such a device (deferinit.fake.function rewrites
     them), and a real CPU tensor among the arguments means CPU.
     """
     meant = backend_meant()
@@ -184,7 +184,7 @@ _DATA_READ_ON_META = ("cannot be called on meta tensors", "Cannot copy out of me
 
 def _without_meta_kernel(func, margs, mkwargs, error):
     """The meta result of ``func``, which has no meta kernel: from stand-ins
-    (:mod:`fake.standin`) where they can tell, else UnsupportedOperatorError."""
+    (:mod:`deferinit.fake.standin`) where they can tell, else UnsupportedOperatorError."""
     reason = refusal(func)
     if reason is None:
         size = standin_bytes(margs, mkwargs)

@@ -15,16 +15,16 @@ class FakeDataAccessError(FakeTensorError):
     ``tolist()``, ``numpy()``, ``bool()``, ``data_ptr()``, formatting values,
     the bytes of their storage) cannot be answered.  Tensors whose values
     are known (made from Python numbers, shapes and ``arange``, and what is
-    computed from them alone, see :mod:`fake.constants`) are the exception.
+    computed from them alone, see :mod:`deferinit.fake.constants`) are the exception.
 
     Example::
 
-        >>> from fake import fake_mode
+        >>> from deferinit.fake import fake_mode
         >>> with fake_mode():
         ...     t = torch.randn(3)
         >>> t.tolist()
         Traceback (most recent call last):
-        fake.errors.FakeDataAccessError: tolist() needs the data of a fake tensor ...
+        deferinit.fake.errors.FakeDataAccessError: tolist() needs the data of a fake tensor ...
     """
 
     def __init__(self, operation: str, tensor_desc: str, hint: str | None = None):

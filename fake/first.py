@@ -1,7 +1,7 @@
 """Work put off until the first fake of the process is made.
 
 The Fake layer's patches of ``torch.Tensor`` (``.data`` and ``set_`` in
-:mod:`fake.assign`) matter only once fakes exist: they are installed then, so that a process that imports
+:mod:`deferinit.fake.assign`) matter only once fakes exist: they are installed then, so that a process that imports
 the packages and never makes a fake runs PyTorch's own functions at
 PyTorch's own speed.
 """
@@ -22,7 +22,7 @@ def at_first_fake(hook) -> None:
     Example::
 
         >>> import torch
-        >>> from fake import FakeTensor
+        >>> from deferinit.fake import FakeTensor
         >>> f = FakeTensor(torch.empty(2, device="meta"), "cpu")   # fakes exist from here on
         >>> at_first_fake(lambda: print("called at once"))
         called at once

@@ -4,7 +4,7 @@
 CUDA right there, long before a dispatch mode could step in; on a CPU-only
 build that is an error.  So the calls that carry a device are rewritten here:
 the device becomes ``meta`` and the device meant is left in
-:mod:`fake.state` for the dispatch layer.  The same applies to
+:mod:`deferinit.fake.state` for the dispatch layer.  The same applies to
 ``Tensor.to``, ``Tensor.cuda`` and ``Tensor.new_*`` on fakes.
 """
 
@@ -124,7 +124,7 @@ def tensor_to(self: torch.Tensor, args, kwargs, fake_cuda: bool = True, *, fake:
     """``self.to(...)`` that never lets a fake device reach the argument parser.
 
     For a fake (``fake=True``), C++ may hold another device than the one
-    reported (see ``fake.device.backend_device``), so every move of a fake
+    reported (see ``deferinit.fake.device.backend_device``), so every move of a fake
     goes through the dispatch layer with the intended device.
     """
     device, dtype, rest = parse_to(args, kwargs, fake_cuda)

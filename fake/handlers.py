@@ -1,6 +1,6 @@
 """Which handler computes an operation on fake tensors.
 
-Plain fakes are computed by :class:`fake.dispatch.FakeHandler`.  A fake whose
+Plain fakes are computed by :class:`deferinit.fake.dispatch.FakeHandler`.  A fake whose
 recipe is recorded (``_record`` set by ``deferinit``) needs the recorder to
 see every operation that touches it, also outside ``deferred_init``; the
 recorder registers itself here, so that this layer never imports the one
@@ -67,7 +67,7 @@ def register_data_access_explainer(fn) -> None:
 
 
 def explain_data_access(error, fake):
-    """``error`` (a :class:`~fake.errors.FakeDataAccessError` about ``fake``), or
+    """``error`` (a :class:`~deferinit.fake.errors.FakeDataAccessError` about ``fake``), or
     the registered explainer's better one when ``fake`` is recorded."""
     if _explainer is not None and _is_deferred(fake):
         better = _explainer(error, fake)

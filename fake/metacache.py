@@ -12,8 +12,8 @@ dispatch the same way.
 
 Example::
 
-    >>> from fake.flat import flatten
-    >>> from fake.opinfo import op_info
+    >>> from deferinit.fake.flat import flatten
+    >>> from deferinit.fake.opinfo import op_info
     >>> a = torch.empty(4, 8, device="meta")
     >>> info = op_info(torch.ops.aten.mm.default)
     >>> first = call(info, *flatten((a, a.t()), {}))

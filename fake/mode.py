@@ -2,7 +2,7 @@
 
 A fake mode is a pair of PyTorch modes: a function mode, which sees Python
 calls before their arguments are parsed (so ``device="cuda"`` can be
-rewritten, see :mod:`fake.function`), and a dispatch mode, which sees every
+rewritten, see :mod:`deferinit.fake.function`), and a dispatch mode, which sees every
 ATen operator and hands it to a handler.  Both live on PyTorch's per-thread
 mode stacks, so a fake mode is thread-local and nests.
 """
@@ -189,8 +189,8 @@ def _backend_stands_for(args):
     C++ composites build temporaries with the options of their first tensor
     (``rms_norm`` casting back to bf16, the masks of SDPA's fallback), whose
     C++ device is CPU where this build lacks the fake's backend (see
-    ``fake.device.backend_device``): inside such a call, those CPU devices
-    mean the fake's (``fake.dispatch``).
+    ``deferinit.fake.device.backend_device``): inside such a call, those CPU devices
+    mean the fake's (``deferinit.fake.dispatch``).
     """
     if not args:
         return None
@@ -320,7 +320,7 @@ def fake_mode(*, fake_cuda: bool = False):
     produce.  Other dispatch modes (``MemTracker``, ``FlopCounterMode``)
     see every operator, whether they are entered inside or outside the
     block.  Tensors made from Python numbers, shapes and ``arange`` keep
-    their values (see :mod:`fake.constants`), so optimizers can step and
+    their values (see :mod:`deferinit.fake.constants`), so optimizers can step and
     checks on position ids get eager's answer.
 
     Example::

@@ -19,7 +19,7 @@ aten = torch.ops.aten
 # In-place random fills: they keep their input's geometry, and their meta
 # kernels are Python decompositions (normal_'s costs ~0.5 ms and imports
 # torch._dynamo on first use).  What the kernels would check is checked by
-# eager's own kernels on stand-ins (fake.checks).
+# eager's own kernels on stand-ins (deferinit.fake.checks).
 _SKIP_META = frozenset({
     aten.uniform_.default,
     aten.normal_.default,

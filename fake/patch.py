@@ -2,7 +2,7 @@
 
 ``deferinit`` diverts ``nn.init``'s ``trunc_normal_`` worker while it
 records, and the Fake layer makes ``torch.Tensor._make_subclass`` accept
-fakes (:mod:`fake.subclass`): replacements shared by every thread that
+fakes (:mod:`deferinit.fake.subclass`): replacements shared by every thread that
 records, installed by the first and removed by the last.
 """
 

@@ -49,7 +49,7 @@ def current_intended_device() -> torch.device | None:
 
 
 class planning:
-    """Context manager entered by :func:`fake.fake_mode`: ``in_fake_mode()`` is true inside."""
+    """Context manager entered by :func:`deferinit.fake.fake_mode`: ``in_fake_mode()`` is true inside."""
 
     __slots__ = ()
 
@@ -71,7 +71,7 @@ class backend_stands_for:
 
     A C++ composite builds its temporaries with the options of a fake
     argument, whose C++ device is CPU where this build lacks the fake's
-    backend (``fake.device.backend_device``).
+    backend (``deferinit.fake.device.backend_device``).
     """
 
     __slots__ = ("device",)

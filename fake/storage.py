@@ -12,7 +12,7 @@ weak references, dies with its last alias and can be resized.
 
 What it cannot do is hold data: the object is given the class
 :class:`FakeStorage`, whose data accessors raise
-:class:`~fake.errors.FakeDataAccessError` instead of meta's bare
+:class:`~deferinit.fake.errors.FakeDataAccessError` instead of meta's bare
 ``NotImplementedError``.  Metadata methods, ``resize_`` included, are
 inherited untouched, so a tool that patches ``UntypedStorage.resize_`` (as
 ``MemTracker`` does) still sees every resize.
@@ -40,7 +40,7 @@ def _refuse(operation: str):
 
 class FakeStorage(torch.UntypedStorage):
     """The untyped storage of fake tensors: sizes, weak references and resizes
-    work; reading or writing bytes raises :class:`~fake.errors.FakeDataAccessError`.
+    work; reading or writing bytes raises :class:`~deferinit.fake.errors.FakeDataAccessError`.
 
     Example::
 
@@ -51,7 +51,7 @@ class FakeStorage(torch.UntypedStorage):
         ('FakeStorage', 64, True)
         >>> s.tolist()
         Traceback (most recent call last):
-        fake.errors.FakeDataAccessError: UntypedStorage.tolist() needs the data of a fake tensor ...
+        deferinit.fake.errors.FakeDataAccessError: UntypedStorage.tolist() needs the data of a fake tensor ...
     """
 
     tolist = _refuse("tolist()")

@@ -4,8 +4,8 @@ A fake tensor is a wrapper subclass: the Python object reports the device it
 pretends to live on (also ``cuda`` on a CPU-only build), its shape, dtype,
 strides and ``requires_grad``, and owns no memory.  Beside it lives a meta
 tensor of the same geometry, its *shadow*, on which every operator actually
-runs (see :mod:`fake.dispatch`); the shadow's storage, which knows its size
-but holds no bytes, is the fake's storage (see :mod:`fake.storage`).
+runs (see :mod:`deferinit.fake.dispatch`); the shadow's storage, which knows its size
+but holds no bytes, is the fake's storage (see :mod:`deferinit.fake.storage`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _TYPED_STORAGE_HINT = (
 class FakeTensor(torch.Tensor):
     """A tensor without data that reports a real device.
 
-    Create fakes with :func:`fake.fake_mode` (or ``deferinit.deferred_init``);
+    Create fakes with :func:`deferinit.fake.fake_mode` (or ``deferinit.deferred_init``);
     the constructor is the low-level door: it takes the meta *shadow* and
     the device to report.  Called as code written for eager tensors calls
     a parameter's class, ``type(p)(data, requires_grad=...)`` or

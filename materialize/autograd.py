@@ -9,9 +9,9 @@ which calls autograd saw and which leaf objects they read
 with grad enabled on the very leaf objects that will be swapped into the
 fakes (:class:`Binder` makes them, dressed, when first read), so the real
 tensor gets the same graph on the same leaves (the calls themselves run in
-:mod:`materialize.gradcalls`).  A leaf's ``requires_grad`` changes while
+:mod:`deferinit.materialize.gradcalls`).  A leaf's ``requires_grad`` changes while
 recording are replayed at their place (:meth:`Binder.advance`): a view
-follows its base's flag.  :func:`materialize.graphcheck.check_graph` then
+follows its base's flag.  :func:`deferinit.materialize.graphcheck.check_graph` then
 compares the real graph with the fake one, node by node, before anything is
 swapped in: what cannot match raises ``AutogradMaterializationError``.
 """
@@ -26,8 +26,8 @@ import torch
 from deferinit.graph import FreshRead, Input
 from deferinit.plan import real_read
 from deferinit.recorder import is_deferred_fake
-from fake.opinfo import op_info
-from fake.tensor import FakeTensor
+from deferinit.fake.opinfo import op_info
+from deferinit.fake.tensor import FakeTensor
 
 
 def leaf_token(t: torch.Tensor):

@@ -2,10 +2,10 @@
 
 The public names of sharded materialization, in one place:
 :func:`materialize_sharded` and :func:`fsdp_held_fakes` (FSDP2 and tensor
-parallel, :mod:`materialize.sharded`), :func:`sharded_memory_plan` and
-:class:`GroupPlan` (:mod:`materialize.memory_plan`), :func:`param_init_fn`
-and :func:`fsdp1_hooks` (FSDP1, :mod:`materialize.fsdp1`).
-:func:`materialize.materialize_module` uses the sharded path by itself
+parallel, :mod:`deferinit.materialize.sharded`), :func:`sharded_memory_plan` and
+:class:`GroupPlan` (:mod:`deferinit.materialize.memory_plan`), :func:`param_init_fn`
+and :func:`fsdp1_hooks` (FSDP1, :mod:`deferinit.materialize.fsdp1`).
+:func:`deferinit.materialize.materialize_module` uses the sharded path by itself
 whenever a module holds DTensors.
 
 Example (on every rank of a process group)::

@@ -7,7 +7,7 @@ see: not the default generators, which other threads share, nor an explicit
 one the user passed.  Operators that take no ``generator`` argument (and
 have no overload that does, as ``randn`` has ``randn.generator``) are the
 exception: they draw from the device's default generator, whose state is
-put back when the replay ends.  :mod:`materialize.generators` decides
+put back when the replay ends.  :mod:`deferinit.materialize.generators` decides
 afterwards whether a real generator is moved to where eager construction
 left it.
 """

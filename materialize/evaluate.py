@@ -14,8 +14,8 @@ import os
 
 from deferinit.errors import DataDependentError
 from deferinit.where import recording
-from fake.device import exists
-from fake.tensor import describe
+from deferinit.fake.device import exists
+from deferinit.fake.tensor import describe
 
 from deferinit.plan import DeviceMap
 from deferinit.streams import replay_streams

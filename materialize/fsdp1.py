@@ -96,7 +96,7 @@ def explain_data_access(error, fake):
     if getattr(init_utils, "_TORCHDISTX_AVAIL", False):
         why = (
             "FSDP1 recognised the module as deferred, but its param_init_fn left these parameters deferred. "
-            "Give param_init_fn=materialize.distributed.param_init_fn (it materializes the module's own "
+            "Give param_init_fn=deferinit.materialize.distributed.param_init_fn (it materializes the module's own "
             "tensors), or leave param_init_fn out so that FSDP1 materializes each unit itself."
         )
     else:

@@ -2,7 +2,7 @@
 
 Replay runs everything under ``no_grad`` except the nodes autograd recorded
 (``Node.grad``), when a materialization has graphs to rebuild: those run with
-grad enabled on the leaf objects :class:`materialize.autograd.Binder` hands
+grad enabled on the leaf objects :class:`deferinit.materialize.autograd.Binder` hands
 out.  What else such a call needs to be as it was eagerly:
 
 * the tensors it reshapes or writes in place are the objects they were
@@ -19,8 +19,8 @@ import torch
 
 from deferinit.graph import Input, Node
 from deferinit.plan import real_read
-from fake.flat import flatten_output, unflatten
-from fake.opinfo import op_info
+from deferinit.fake.flat import flatten_output, unflatten
+from deferinit.fake.opinfo import op_info
 
 from .autograd import real_root, regenerated, view_again
 
@@ -31,7 +31,7 @@ _set_creation_meta = torch._C._autograd._set_creation_meta
 
 
 class GradCalls:
-    """The part of :class:`materialize.replay.Replay` that runs calls with autograd."""
+    """The part of :class:`deferinit.materialize.replay.Replay` that runs calls with autograd."""
 
     def _swap_data(self, node: Node, args: list, env) -> torch.Tensor:
         """``t.data = new`` (:func:`deferinit.grad.data_node`): with graphs to

@@ -2,7 +2,7 @@
 
 The fake holds eager's graph (autograd runs above the Fake layer); the real
 tensor holds the replay's.  They match node by node, with the leaves the
-replay bound (:class:`materialize.autograd.Binder`), bar one difference
+replay bound (:class:`deferinit.materialize.autograd.Binder`), bar one difference
 autograd itself makes: a view whose ``grad_fn`` was regenerated is one
 ``as_strided`` node for a plain tensor, a chain of view nodes for a fake.
 """

@@ -8,7 +8,7 @@ import torch
 
 from deferinit.graph import Input
 from deferinit.view import deferred_tensors
-from fake.opinfo import op_info
+from deferinit.fake.opinfo import op_info
 
 from .sharded import extent_bytes, held_only_by, group_closure, groups
 
@@ -22,7 +22,7 @@ class GroupPlan(NamedTuple):
 
 
 def sharded_memory_plan(module: torch.nn.Module) -> list[GroupPlan]:
-    """How :func:`materialize.materialize_module` would materialize ``module`` on
+    """How :func:`deferinit.materialize.materialize_module` would materialize ``module`` on
     this rank, from the record alone (nothing is allocated): one
     :class:`GroupPlan` per replay, in replay order.
 

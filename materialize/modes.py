@@ -4,9 +4,9 @@
 as recorded or otherwise: its outputs only *allocated* (their contents are
 all overwritten later), a random draw replayed only for the *generator*
 (into scratch memory), a ``copy_`` that reads a checkpoint *directly* into
-its destination.  Load nodes (recorded by :func:`materialize.load_checkpoint`)
+its destination.  Load nodes (recorded by :func:`deferinit.materialize.load_checkpoint`)
 read their checkpoint's bytes into the tensor, or only the parts that are
-read later.  This module is the part of :class:`materialize.replay.Replay`
+read later.  This module is the part of :class:`deferinit.materialize.replay.Replay`
 that carries those decisions out.
 """
 

@@ -4,7 +4,7 @@ In the spirit of ``torch.fx.Interpreter``: one loop over the planned nodes
 in recorded order (:class:`deferinit.plan.Plan` chose them), one
 ``_run_node`` where values are computed, each value freed at its last use.
 Random nodes draw from the state their generator had eagerly, on private
-generators (:mod:`materialize.draws`); every state passed is cached on the
+generators (:mod:`deferinit.materialize.draws`); every state passed is cached on the
 record, so any order of requests costs at most one extra pass.
 
 Everything runs below autograd (``no_grad``, or ``inference_mode`` on request),
@@ -23,10 +23,10 @@ from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError,
 from deferinit.graph import Input, Node
 from deferinit.liveness import RUN
 from deferinit.plan import Plan, real_read, read_of
-from fake.device import exists
-from fake.bypass import no_python_dispatch
-from fake.flat import flatten_output, unflatten
-from fake.tensor import describe
+from deferinit.fake.device import exists
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.flat import flatten_output, unflatten
+from deferinit.fake.tensor import describe
 
 from .autograd import real_root
 from .gradcalls import GradCalls
@@ -54,7 +54,7 @@ class Replay(GradCalls, Plan):
             label = next((l for l in labels or () if l), "the tensors")
             raise ValueError(
                 f"cannot materialize {label} on the meta device: meta tensors hold no values. "
-                "Keep it deferred (it already reports shape, dtype and device), or use fake.meta_like."
+                "Keep it deferred (it already reports shape, dtype and device), or use deferinit.fake.meta_like."
             )
         self.inference = inference
         # Targets taken again from real memory with their autograd relation.

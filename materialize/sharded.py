@@ -106,7 +106,7 @@ def fsdp_held_fakes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def materialize_sharded(module, targets, *, device=None, inference=False, progress=None) -> bool:
     """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one storage at a time.
 
-    Called by :func:`materialize.materialize_module`; returns False, doing
+    Called by :func:`deferinit.materialize.materialize_module`; returns False, doing
     nothing, when ``module`` holds no DTensor (the caller then replays
     everything at once).  Fakes FSDP2 holds for the targets are added.
     Every result is computed before anything is swapped in: on failure the

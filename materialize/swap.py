@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import AutogradMaterializationError, MaterializationError
-from fake.assign import exchange
-from fake.tensor import INTERNAL_ATTRS
+from deferinit.fake.assign import exchange
+from deferinit.fake.tensor import INTERNAL_ATTRS
 
 from .autograd import grad_fn_of, is_grad_view
 
@@ -38,7 +38,7 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     """
     d = fake.__dict__
     floating = real.is_floating_point() or real.is_complex()
-    # A Parameter (or subclass), or a tensor subclass made from a fake (fake.subclass).
+    # A Parameter (or subclass), or a tensor subclass made from a fake (deferinit.fake.subclass).
     cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
     grad_fn = grad_fn_of(fake)
     if inference or fake.is_inference():
@@ -56,7 +56,7 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     elif made is not None:
         obj = made
         if cls is not None and type(obj) is not cls:
-            obj.__class__ = cls  # made as the base of views (materialize.autograd.Binder)
+            obj.__class__ = cls  # made as the base of views (deferinit.materialize.autograd.Binder)
     elif retaken and real._is_view():
         obj = real
     elif is_grad_view(fake) and not (real.requires_grad and real._is_view()):
@@ -102,7 +102,7 @@ def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     (``nn.RNNBase._flat_weight_refs`` keeps them) should follow the object,
     and C++ references to a fake (a view's base) describe nothing real.
     Gradient hooks registered on the fake stay with the object, as they
-    would on the eagerly built tensor (see :func:`fake.assign.exchange`).
+    would on the eagerly built tensor (see :func:`deferinit.fake.assign.exchange`).
     """
     exchange(t1, t2)
 

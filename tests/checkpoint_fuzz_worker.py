@@ -114,7 +114,7 @@ def _eager(sd, strict: bool):
 def _ours(m, path: str, strict: bool, before, state):
     """The problem with loading ``path`` into ``m``, or None; and whether it loaded."""
     from deferinit import CheckpointError
-    from materialize import load_checkpoint
+    from deferinit.materialize import load_checkpoint
 
     try:
         result = load_checkpoint(m, path, strict=strict)
@@ -129,7 +129,7 @@ def _ours(m, path: str, strict: bool, before, state):
 
 def check(kind: str, path: str, strict: bool) -> dict:
     from deferinit import deferred_init, graph_of
-    from materialize import materialize_module
+    from deferinit.materialize import materialize_module
 
     ref = reference(kind, path)
     eager, ref_error, ref_keys = _eager(ref, strict)

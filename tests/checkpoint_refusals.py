@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import CheckpointError, deferred_init, graph_of
-from materialize import load_checkpoint
+from deferinit.materialize import load_checkpoint
 
 
 def build():

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import dist_workers
 from deferinit import deferred_init, is_deferred
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 RANDOM = ("uniform_", "normal_", "random_", "bernoulli", "randn", "rand")
 
@@ -143,7 +143,7 @@ def case_fsdp1(rank: int, world_size: int, path: str) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from materialize.distributed import fsdp1_hooks, param_init_fn
+    from deferinit.materialize.distributed import fsdp1_hooks, param_init_fn
 
     torch.manual_seed(0)
     model = deferred_init(Wide)

@@ -16,7 +16,7 @@ for path in (os.path.dirname(HERE), HERE):  # the packages, and tests/helpers.py
 # the first fake of the process is made (fake/__init__.py): make one before
 # any test, so that every test finds, and must leave, that steady state.
 # (Subprocess tests start from a process without fakes.)
-import fake  # noqa: E402
+from deferinit import fake  # noqa: E402
 
 fake.FakeTensor(torch.empty(0, device="meta"), "cpu")
 
@@ -25,7 +25,7 @@ def _global_state():
     from torch.overrides import _get_current_function_mode_stack
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-    from fake.subclass import MAKE_SUBCLASS
+    from deferinit.fake.subclass import MAKE_SUBCLASS
 
     return (
         MAKE_SUBCLASS.users,

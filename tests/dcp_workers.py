@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import checkpoint_workers
 from deferinit import deferred_init, is_deferred
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 rchar = checkpoint_workers.rchar
 RANDOM = checkpoint_workers.RANDOM

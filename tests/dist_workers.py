@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deferinit import deferred_init, is_deferred
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 
 # -- models ----------------------------------------------------------------------------
@@ -208,7 +208,7 @@ def case_memory(rank: int, world_size: int) -> dict:
     fully_shard(model)
     param_mib = 8.0
     shards_mib = param_mib * len(model.layers) / world_size
-    from materialize.distributed import sharded_memory_plan
+    from deferinit.materialize.distributed import sharded_memory_plan
 
     plan = sharded_memory_plan(model)
     planned = (sum(g.kept_bytes for g in plan) + max(g.transient_bytes for g in plan)) / 2**20
@@ -332,7 +332,7 @@ def case_fsdp1(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from materialize.distributed import fsdp1_hooks, param_init_fn
+    from deferinit.materialize.distributed import fsdp1_hooks, param_init_fn
 
     torch.manual_seed(0)
     eager = Net()
@@ -381,8 +381,8 @@ def case_fsdp1_without_hooks(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     from deferinit import FSDP1DeferredModuleError
-    from fake import FakeDataAccessError
-    from materialize.distributed import fsdp1_hooks, param_init_fn
+    from deferinit.fake import FakeDataAccessError
+    from deferinit.materialize.distributed import fsdp1_hooks, param_init_fn
 
     messages = {}
     forms = {

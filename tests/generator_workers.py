@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from deferinit import deferred_init, is_deferred
-from materialize import materialize_tensor
+from deferinit.materialize import materialize_tensor
 
 # Shapes whose rows or columns do not divide among 4 ranks leave some rank an
 # uneven or an empty piece (the empty pieces are made with new_zeros, which

@@ -7,7 +7,7 @@ import torch
 
 from deferinit import deferred_init, is_deferred
 from dist_workers import Net, _fully_shard_net, check, shard_of
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 
 def case_fsdp2_cuda(rank: int, world_size: int) -> dict:

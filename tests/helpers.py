@@ -7,7 +7,7 @@ import random
 import torch
 
 from deferinit import deferred_init
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 
 def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:

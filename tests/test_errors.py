@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import deferinit
-import materialize.evaluate as evaluate
+import deferinit.materialize.evaluate as evaluate
 from deferinit import (
     AutogradMaterializationError,
     DataDependentError,
@@ -32,9 +32,9 @@ from deferinit import (
     deferred_init,
     is_deferred,
 )
-from fake import FakeDataAccessError, FakeIntoRealError, FakeTensorError, UnsupportedOperatorError, fake_mode, is_fake, meta_like
+from deferinit.fake import FakeDataAccessError, FakeIntoRealError, FakeTensorError, UnsupportedOperatorError, fake_mode, is_fake, meta_like
 from helpers import assert_same_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 
 # -- the hierarchy ------------------------------------------------------------

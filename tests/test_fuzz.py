@@ -52,9 +52,9 @@ from hypothesis import HealthCheck, given, note, reject, settings
 from hypothesis import strategies as st
 
 from deferinit import AutogradMaterializationError, CheckpointError, RecordingError, deferred_init, is_deferred
-from fake import is_fake
+from deferinit.fake import is_fake
 from helpers import named_tensors
-from materialize import load_checkpoint, materialize_module, materialize_tensor
+from deferinit.materialize import load_checkpoint, materialize_module, materialize_tensor
 
 # Programs legitimately trigger PyTorch's warnings (zero-element init, deprecated
 # fills of expanded tensors, x.T on 1-D tensors).

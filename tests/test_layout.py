@@ -27,6 +27,8 @@ def _files():
 
 def _module_of(path: str) -> str:
     parts = path[:-3].split(os.sep)
+    if parts[0] in ("fake", "materialize"):  # installed inside deferinit (pyproject.toml)
+        parts.insert(0, "deferinit")
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)

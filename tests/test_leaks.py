@@ -22,8 +22,8 @@ from deferinit import deferred_init
 from deferinit.graph import Input, Node, Storage, Value
 from deferinit.record import Record
 from deferinit.rng import Stream
-from fake import FakeTensor
-from materialize import materialize_module, materialize_tensor
+from deferinit.fake import FakeTensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 GRAPH_TYPES = (Node, Value, Storage, Input, Record, Stream)
 
@@ -264,8 +264,8 @@ def test_a_loaded_deferred_module_frees_its_record_and_checkpoint_without_gc(tmp
     cycle, so dropping the module frees the record and the file's header."""
     from safetensors.torch import save_file
 
-    from materialize import load_checkpoint
-    from materialize.checkpoint.files import CheckpointFile
+    from deferinit.materialize import load_checkpoint
+    from deferinit.materialize.checkpoint.files import CheckpointFile
 
     save_file(nn.Linear(8, 8).state_dict(), tmp_path / "m.safetensors")
     m = deferred_init(nn.Linear, 8, 8)

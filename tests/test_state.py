@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-import materialize.api as api
-import materialize.swap as swap_module
+import deferinit.materialize.api as api
+import deferinit.materialize.swap as swap_module
 from deferinit import (
     DataDependentError,
     DeviceUnavailableError,
@@ -32,10 +32,10 @@ from deferinit import (
 )
 from deferinit import patches
 from deferinit.session import current_record
-from fake import is_fake
-from fake.state import current_intended_device
-from fake.subclass import MAKE_SUBCLASS
-from materialize import materialize_module, materialize_tensor
+from deferinit.fake import is_fake
+from deferinit.fake.state import current_intended_device
+from deferinit.fake.subclass import MAKE_SUBCLASS
+from deferinit.materialize import materialize_module, materialize_tensor
 
 EXPLICIT = torch.Generator().manual_seed(1234)
 

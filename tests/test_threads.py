@@ -28,9 +28,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from deferinit import deferred_init, is_deferred
 from deferinit import patches
 from deferinit.session import current_record
-from fake import is_fake
+from deferinit.fake import is_fake
 from helpers import assert_same_tensors
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 TIMEOUT = 60  # seconds a barrier waits before the test fails instead of hanging
 _ORIGINAL_TRUNC_NORMAL = nn.init._no_grad_trunc_normal_

@@ -17,7 +17,7 @@ imports)::
     python tools/scan_hidden_writes.py            # op_db + module_db, CPU
     python tools/scan_hidden_writes.py --limit 50 # a quick partial run
 
-The result is compared with ``fake.opinfo.HIDDEN_WRITES``; anything new is
+The result is compared with ``deferinit.fake.opinfo.HIDDEN_WRITES``; anything new is
 printed as a line to add there.
 """
 
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fake.opinfo import HIDDEN_WRITES, op_info  # noqa: E402
+from deferinit.fake.opinfo import HIDDEN_WRITES, op_info  # noqa: E402
 
 
 def _snapshot(t):

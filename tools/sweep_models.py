@@ -150,7 +150,7 @@ def check(build, reverse=False, eager_limit=20.0, limit=60.0):
     """Classify one model: (status, detail, seconds)."""
     import torch
     from deferinit import deferred_init
-    from materialize import materialize_module
+    from deferinit.materialize import materialize_module
 
     before = (
         torch._C._len_torch_function_stack(),

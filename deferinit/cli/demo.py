@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 from .. import dot
 from ..demo import SHAPES, Llama, eager_first_block

@@ -1,7 +1,7 @@
 """``deferinit plan``: one training step of a deferred model, measured on fake devices.
 
 The model is built deferred, then a whole step (forward, loss, backward,
-the optimizer's step) runs inside ``fake.fake_mode`` on the device the
+the optimizer's step) runs inside ``deferinit.fake.fake_mode`` on the device the
 model was built for (``cuda`` by default, fake on a machine without one)
 under PyTorch's ``MemTracker`` and ``FlopCounterMode`` (see
 :mod:`deferinit.cli.step`).  With ``--shard N`` the model is first sharded
@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from fake import fake_mode
+from deferinit.fake import fake_mode
 
 from .errors import UsageError
 from .fakedist import fake_ranks

@@ -7,7 +7,7 @@ per micro-batch with gradient accumulation, the forward pass under
 ``torch.distributed._tools.mem_tracker.MemTracker`` (``FSDPMemTracker``
 for a model sharded with FSDP2), FLOPs are
 ``torch.utils.flop_counter.FlopCounterMode``: no accounting of our own.
-On real tensors this measures the real step; inside ``fake.fake_mode`` the
+On real tensors this measures the real step; inside ``deferinit.fake.fake_mode`` the
 same code measures the step of a deferred model without allocating, and the
 figures agree byte for byte (``tests/deferinit/test_plan.py``).
 
@@ -33,7 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from deferinit.cli.foreach import ChunkedForeach
 from deferinit.cli.trackers import Flops, Tracker, fsdp_tracker, local_tensor
-from fake.device import backend_device
+from deferinit.fake.device import backend_device
 
 #: What each of PyTorch's memory categories counts, in the report's words.
 LABELS = {
@@ -182,7 +182,7 @@ def _add_counts(total: dict, now: dict, before: dict) -> None:
 def _autocast(model, dtype):
     """``torch.autocast`` for the device the C++ side of the model's tensors sits
     on (CPU's for fake CUDA tensors on a build without CUDA: see
-    ``fake.device.backend_device``)."""
+    ``deferinit.fake.device.backend_device``)."""
     if dtype is None:
         return contextlib.nullcontext()
     param = next(model.parameters(), None)

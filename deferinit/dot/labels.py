@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from fake.flat import unflatten
+from deferinit.fake.flat import unflatten
 
 from ..graph import Input, Node
 from ..text import dtype_name, tensor_text
@@ -25,7 +25,7 @@ def node_label(graph, node: Node, values) -> list[str]:
     if node.kind == "external":
         t = node.payload
         return [f"{num} outside tensor", geometry(t.shape, t.dtype, t.device), f"version {node.version}"]
-    if node.kind == "load":  # a checkpoint tensor (materialize.checkpoint)
+    if node.kind == "load":  # a checkpoint tensor (deferinit.materialize.checkpoint)
         entry = node.payload
         return [f"{num} load", _clip(repr(entry.key)), f"[{', '.join(str(n) for n in entry.shape)}] {dtype_name(entry.dtype)}"]
     lines = [f"{num} {op_name(node)}"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import graphviz
 
-from fake.opinfo import op_info
+from deferinit.fake.opinfo import op_info
 
 from ..graph import Input, Node
 

@@ -24,7 +24,7 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     files (with or without transformers' ``model.safetensors.index.json``),
     or a directory written by ``torch.distributed.checkpoint.save``.
     It runs the module's own ``load_state_dict`` on stand-ins for the
-    checkpoint's tensors (:mod:`materialize.checkpoint.capture`), so names,
+    checkpoint's tensors (:mod:`deferinit.materialize.checkpoint.capture`), so names,
     ``strict``, shapes, dtype casting (to the tensor's dtype, as ``copy_``),
     ``_load_from_state_dict`` overrides, load hooks and lazy modules are
     ``load_state_dict``'s; a tied tensor counts as loaded when the checkpoint

@@ -46,9 +46,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 from deferinit.errors import CheckpointError
 from deferinit.plain import plain
 from deferinit.recorder import is_deferred_fake
-from fake import is_fake
-from fake.bypass import no_python_dispatch
-from fake.opinfo import op_info
+from deferinit.fake import is_fake
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.opinfo import op_info
 
 from .entries import Entry, MemorySource, read_now
 from .sources import DeferredValue
@@ -100,7 +100,7 @@ class StandIns:
 
         >>> import os, tempfile
         >>> from safetensors.torch import save_file
-        >>> from materialize.checkpoint.sources import open_file
+        >>> from deferinit.materialize.checkpoint.sources import open_file
         >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
         >>> save_file({"w": torch.arange(6.0).reshape(2, 3)}, path)
         >>> s = StandIns()

@@ -15,7 +15,7 @@ rank's own file's piece instead.
 
 Example::
 
-    >>> from materialize.checkpoint.entries import MemorySource
+    >>> from deferinit.materialize.checkpoint.entries import MemorySource
     >>> a = MemorySource.entry("w", torch.ones(3))
     >>> digest(a) == digest(MemorySource.entry("w", torch.ones(3)))
     True

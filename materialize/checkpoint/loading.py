@@ -29,8 +29,8 @@ import torch
 from deferinit.errors import CheckpointError, CheckpointReadError, RecordingError
 from deferinit.graph import Input, Node
 from deferinit.recorder import check_storage_not_real, is_deferred_fake
-from fake import is_fake
-from fake.flat import flatten
+from deferinit.fake import is_fake
+from deferinit.fake.flat import flatten
 
 from .blocks import local_block
 from .capture import is_dtensor, storage_key
@@ -46,7 +46,7 @@ def record_load(fake: torch.Tensor, entry) -> Node:
 
     Example::
 
-        >>> from materialize.checkpoint.entries import MemorySource
+        >>> from deferinit.materialize.checkpoint.entries import MemorySource
         >>> m = deferred_init(torch.nn.Linear, 2, 2)
         >>> node = record_load(m.bias, MemorySource.entry("bias", torch.ones(2)))
         >>> node.kind, materialize_tensor(m.bias).tolist()

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from deferinit.errors import CheckpointError, CheckpointNotFoundError
-from fake import is_fake
+from deferinit.fake import is_fake
 
 from .dcp import is_dcp_directory, open_dcp
 from .entries import Entry, MemorySource

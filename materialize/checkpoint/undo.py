@@ -24,7 +24,7 @@ import itertools
 import torch
 
 from deferinit.recorder import is_deferred_fake
-from fake import is_fake
+from deferinit.fake import is_fake
 
 from .capture import geometry, is_dtensor, storage_key
 

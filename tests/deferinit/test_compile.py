@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 from deferinit import DeferredModuleWarning, deferred
-from fake import is_fake
-from materialize import materialize_module
+from deferinit.fake import is_fake
+from deferinit.materialize import materialize_module
 
 transformers = pytest.importorskip("transformers")
 

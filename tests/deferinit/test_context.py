@@ -20,7 +20,7 @@ import deferinit
 from deferinit import deferred, deferred_init, is_deferred
 from deferinit.record import current_record
 from helpers import assert_same_tensors
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -21,7 +21,7 @@ from deferinit.dot import (
     GraphvizNotFoundError,
     write,
 )
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 HAS_DOT = shutil.which("dot") is not None
 needs_dot = pytest.mark.skipif(not HAS_DOT, reason="Graphviz's `dot` program is not installed (apt-get install graphviz)")

@@ -124,7 +124,7 @@ def test_a_leaf_that_requires_grad_is_filled_under_no_grad_as_eagerly():
     eager = build()
     torch.manual_seed(3)
     p = deferred_init(build)
-    from materialize import materialize_tensor
+    from deferinit.materialize import materialize_tensor
 
     assert torch.equal(materialize_tensor(p), eager) and p.requires_grad
 

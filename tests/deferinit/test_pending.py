@@ -21,8 +21,8 @@ import torch
 import torch.nn as nn
 
 from deferinit import PendingDrawsWarning, deferred, deferred_init, pending
-from fake import fake_mode
-from materialize import materialize_module
+from deferinit.fake import fake_mode
+from deferinit.materialize import materialize_module
 
 
 def _pending(record_warnings):

@@ -19,7 +19,7 @@ from deferinit.cli.fakedist import fake_ranks
 from deferinit.cli.plan import shard
 from deferinit.cli.planreport import module_rows
 from deferinit.cli.step import Tracker, measure_step, module_peak
-from fake import fake_mode
+from deferinit.fake import fake_mode
 
 B, S = 2, 16
 

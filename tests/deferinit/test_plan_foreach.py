@@ -14,7 +14,7 @@ from deferinit.cli import foreach
 from deferinit.cli.fakedist import fake_ranks
 from deferinit.cli.foreach import ChunkedForeach, bounds
 from deferinit.cli.plan import shard
-from fake import fake_mode
+from deferinit.fake import fake_mode
 
 from deferinit.cli.step import measure_step
 

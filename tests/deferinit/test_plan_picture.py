@@ -28,7 +28,7 @@ from deferinit.cli.step import LABELS, measure_step
 from deferinit.cli.timeline import Timeline
 from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.text import fmt_bytes
-from fake import fake_mode
+from deferinit.fake import fake_mode
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

@@ -22,7 +22,7 @@ from deferinit import deferred_init
 from deferinit.cli.fakedist import fake_ranks
 from deferinit.cli.recipe import Recipe, plan_step
 from deferinit.demo import LLAMA_TINY, Llama
-from fake import fake_mode
+from deferinit.fake import fake_mode
 
 B, S = 2, 16
 
@@ -214,7 +214,7 @@ def test_the_optimizer_and_its_arguments(name, args, build):
 def test_an_optimizer_that_reads_parameter_values_cannot_be_planned():
     """Adafactor scales its step by each parameter's norm, read with .item(): the values
     of a deferred model are unknown, and the error says what was read."""
-    from fake import FakeDataAccessError
+    from deferinit.fake import FakeDataAccessError
 
     with pytest.raises(FakeDataAccessError, match=r"item\(\) needs the data of a fake tensor"):
         planned_step(demo_llama, Recipe(optimizer="adafactor", foreach=False))

@@ -14,9 +14,9 @@ import torch
 
 from deferinit import DataDependentError, InferenceTensorInputError, MixedFakeError, deferred_init, graph_of, is_deferred
 from deferinit.graph import Input, Node, Storage, Value
-from fake import fake_mode, is_fake
+from deferinit.fake import fake_mode, is_fake
 from helpers import assert_same_tensors, check_exact
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 CUDA = torch.device("cuda", 0)
 
@@ -616,7 +616,7 @@ def test_non_callable_is_a_type_error():
 
 
 def test_recording_time_values_have_a_size_limit(monkeypatch):
-    from materialize import evaluate
+    from deferinit.materialize import evaluate
 
     monkeypatch.setattr(evaluate, "LIMIT_BYTES", 1024)
     with pytest.raises(DataDependentError, match="LIMIT_BYTES"):

@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 from deferinit import DeferredModuleWarning, DeferredWriteError, MixedFakeError, RecordingError, deferred_init, graph_of
-from fake import fake_mode, is_fake
+from deferinit.fake import fake_mode, is_fake
 from helpers import assert_same_tensors
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 
 def tiny_llama():

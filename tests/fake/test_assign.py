@@ -20,16 +20,16 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred, is_deferred
-from fake import FakeIntoRealError, is_fake
-from materialize import materialize_module, materialize_tensor
+from deferinit.fake import FakeIntoRealError, is_fake
+from deferinit.materialize import materialize_module, materialize_tensor
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PRELUDE = """
 import torch, torch.nn as nn
 from deferinit import deferred, is_deferred
-from fake import FakeIntoRealError, fake_mode, is_fake
-from materialize import materialize_module, materialize_tensor
+from deferinit.fake import FakeIntoRealError, fake_mode, is_fake
+from deferinit.materialize import materialize_module, materialize_tensor
 """
 
 
@@ -222,7 +222,7 @@ def test_what_cannot_become_a_fake_is_refused_and_left_as_it_was():
 
 def test_data_of_real_tensors_is_pytorchs_own():
     """Between real tensors (and between fakes) nothing changes: PyTorch's setter."""
-    from fake.assign import DATA
+    from deferinit.fake.assign import DATA
 
     assert torch.Tensor.data is DATA
     a, b = torch.zeros(3), torch.arange(4.0)

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from fake import FakeDataAccessError, fake_mode, is_fake
-from fake.constants import KNOWN_LIMIT_BYTES
+from deferinit.fake import FakeDataAccessError, fake_mode, is_fake
+from deferinit.fake.constants import KNOWN_LIMIT_BYTES
 
 
 def _scalar_programs():

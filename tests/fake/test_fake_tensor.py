@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from fake import FakeDataAccessError, FakeTensor, UnsupportedOperatorError, fake_mode, is_fake, meta_like
+from deferinit.fake import FakeDataAccessError, FakeTensor, UnsupportedOperatorError, fake_mode, is_fake, meta_like
 
 CUDA = torch.device("cuda", 0)
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fake.metacache as metacache
-from fake import fake_mode
+import deferinit.fake.metacache as metacache
+from deferinit.fake import fake_mode
 
 
 def _programs():
@@ -65,7 +65,7 @@ def test_remembered_results_have_the_kernels_layout(program):
 
 def test_views_writes_and_data_dependent_operators_are_never_remembered():
     aten = torch.ops.aten
-    from fake.opinfo import op_info
+    from deferinit.fake.opinfo import op_info
 
     for op in (aten.view.default, aten.transpose.int, aten.add_.Tensor, aten.lift_fresh.default,
                aten.nonzero.default, aten.resize_.default, aten.detach.default):

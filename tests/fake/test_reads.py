@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from deferinit import deferred, is_deferred
-from fake import fake_mode, is_fake
-from materialize import materialize_module
+from deferinit.fake import fake_mode, is_fake
+from deferinit.materialize import materialize_module
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 from safetensors import safe_open  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deferinit import deferred_init
-from fake import FakeDataAccessError, FakeStorage, fake_mode
+from deferinit.fake import FakeDataAccessError, FakeStorage, fake_mode
 
 
 def _programs():

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from fake import fake_mode, is_fake
-from fake.function import parse_to
+from deferinit.fake import fake_mode, is_fake
+from deferinit.fake.function import parse_to
 
 CPU = torch.device("cpu")
 

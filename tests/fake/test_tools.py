@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
-from fake import fake_mode, is_fake
+from deferinit.fake import fake_mode, is_fake
 
 
 def _cnn_step():

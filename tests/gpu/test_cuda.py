@@ -20,7 +20,7 @@ import torch
 
 from deferinit import deferred_init, is_deferred
 from helpers import assert_same_tensors, materialize_in_order
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 from gpu_models import MODELS, missing_library
 

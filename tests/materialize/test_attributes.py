@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 
 from deferinit import ExternalTensorMutatedError, deferred_init, graph_of, is_deferred
-from fake import is_fake
+from deferinit.fake import is_fake
 from helpers import assert_same_tensors, eager_and_deferred
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 
 def attribute_tensors(module):

@@ -12,9 +12,9 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from deferinit import AutogradMaterializationError, deferred_init, is_deferred
-from fake import is_fake
+from deferinit.fake import is_fake
 from helpers import assert_same_tensors, eager_and_deferred, named_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 
 def _graph(t):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from deferinit import CheckpointMismatchError, deferred_init, graph_of, is_deferred
 from helpers import assert_same_tensors
-from materialize import LoadResult, load_checkpoint, materialize_module, materialize_tensor
+from deferinit.materialize import LoadResult, load_checkpoint, materialize_module, materialize_tensor
 
 RANDOM_KERNELS = ("uniform_", "normal_", "random_", "bernoulli", "exponential_", "randn", "rand")
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
 from helpers import assert_same_tensors
-from materialize import LoadResult, load_checkpoint, materialize_module
+from deferinit.materialize import LoadResult, load_checkpoint, materialize_module
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
@@ -134,7 +134,7 @@ def test_dtype_cast_strided_and_zero_dim_tensors(tmp_path):
 
 def test_metadata_is_pytorchs_own(tmp_path):
     """The metadata read without pickle.load is the object FileSystemReader reads."""
-    from materialize.checkpoint.dcp_metadata import read_metadata
+    from deferinit.materialize.checkpoint.dcp_metadata import read_metadata
 
     path = save({"model": base.checkpoint_of(base.Tied), "step": 3}, tmp_path / "ckpt")
     ours = read_metadata(path)
@@ -151,7 +151,7 @@ def test_a_part_reads_its_own_bytes(tmp_path):
     if not os.path.exists("/proc/self/io"):
         pytest.skip("needs /proc/self/io")
     from checkpoint_workers import rchar
-    from materialize.checkpoint.dcp import open_dcp
+    from deferinit.materialize.checkpoint.dcp import open_dcp
 
     w = torch.randn(256, 512)
     path = save({"w": w}, tmp_path / "ckpt")

@@ -49,7 +49,7 @@ def saved(tmp_path_factory):
 
 
 def check_reads(path, results):
-    from materialize.checkpoint.dcp_metadata import METADATA, read_metadata, tensors
+    from deferinit.materialize.checkpoint.dcp_metadata import METADATA, read_metadata, tensors
 
     chunks = sum(len(t.chunks) for t in tensors(read_metadata(path), path).values())
     headers = os.path.getsize(os.path.join(path, METADATA)) + CHUNK_HEADER * chunks

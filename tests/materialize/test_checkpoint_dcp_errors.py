@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import CheckpointError, CheckpointNotFoundError, CheckpointReadError, deferred_init, graph_of, is_deferred
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 

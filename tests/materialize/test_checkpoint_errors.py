@@ -29,8 +29,8 @@ from deferinit import (
     graph_of,
     is_deferred,
 )
-from fake import fake_mode
-from materialize import load_checkpoint, materialize_module, materialize_tensor
+from deferinit.fake import fake_mode
+from deferinit.materialize import load_checkpoint, materialize_module, materialize_tensor
 
 
 def build():

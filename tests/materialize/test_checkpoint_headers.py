@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from deferinit import CheckpointError
-from materialize.checkpoint.sources import open_source
+from deferinit.materialize.checkpoint.sources import open_source
 
 D8 = bytes(range(8))
 T = '"dtype":"U8","shape":[8],"data_offsets":[0,8]'

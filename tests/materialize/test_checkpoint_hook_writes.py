@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from deferinit import CheckpointMismatchError, deferred_init
 from helpers import assert_same_tensors, named_tensors
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 MODES = ["real", "deferred"]
 
@@ -382,7 +382,7 @@ SCRIPT = """
 import torch, torch.nn as nn
 from torch.testing._internal.two_tensor import TwoTensor
 from deferinit import deferred_init
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 def value():
     return {value}

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import CheckpointError, deferred_init
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 from checkpoint_refusals import build, refused, state_dict
 
@@ -60,7 +60,7 @@ def refusal_in_child(source: str, timeout: float) -> str:
     done = child(f"""
         import torch
         from deferinit import CheckpointError
-        from materialize import load_checkpoint
+        from deferinit.materialize import load_checkpoint
         try:
             load_checkpoint(torch.nn.Linear(2, 2), {source!r})
         except CheckpointError as e:
@@ -141,7 +141,7 @@ def test_tuples_nested_a_million_deep_crash_torch_load_and_are_refused(tmp_path,
     ours = child(f"""
         import torch
         from deferinit import CheckpointError
-        from materialize import load_checkpoint
+        from deferinit.materialize import load_checkpoint
         m = torch.nn.Linear(2, 2)
         before = m.weight.clone()
         try:
@@ -290,7 +290,7 @@ def test_a_legacy_file_declaring_a_huge_storage_allocates_nothing(tmp_path):
             vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
         resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), resource.RLIM_INFINITY))
         from deferinit import CheckpointError
-        from materialize import load_checkpoint
+        from deferinit.materialize import load_checkpoint
         m = torch.nn.Linear(2, 4)
         try:
             torch.load({path!r}, weights_only=True)
@@ -349,7 +349,7 @@ def test_a_small_record_inflating_to_a_huge_one_is_refused_unread(tmp_path):
     script = f"""
         import tracemalloc, torch
         from deferinit import CheckpointError
-        from materialize import load_checkpoint
+        from deferinit.materialize import load_checkpoint
         tracemalloc.start()
         try:
             load_checkpoint(torch.nn.Linear(3, 4), {path!r})
@@ -431,7 +431,7 @@ def test_an_index_that_is_a_fifo_is_refused(tmp_path):
 
 
 def test_an_index_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch):
-    from materialize.checkpoint import index as index_module
+    from deferinit.materialize.checkpoint import index as index_module
 
     folder = tmp_path / "ckpt"
     folder.mkdir()
@@ -445,7 +445,7 @@ def test_an_index_longer_than_the_limit_is_refused_unread(tmp_path, monkeypatch)
 
 
 def test_a_central_directory_beyond_the_limit_is_refused_before_zipfile_reads_it(tmp_path, monkeypatch):
-    from materialize.checkpoint import torch_zip
+    from deferinit.materialize.checkpoint import torch_zip
 
     path = str(tmp_path / "many.pt")
     buffer = io.BytesIO()

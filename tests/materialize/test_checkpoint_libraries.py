@@ -17,7 +17,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from deferinit import CheckpointMismatchError, deferred_init  # noqa: E402
 from helpers import assert_same_tensors  # noqa: E402
-from materialize import LoadResult, load_checkpoint, materialize_module  # noqa: E402
+from deferinit.materialize import LoadResult, load_checkpoint, materialize_module  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

@@ -15,8 +15,8 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from deferinit import deferred_init
-from materialize import load_checkpoint, materialize_tensor
-from materialize.checkpoint import dcp as dcp_source
+from deferinit.materialize import load_checkpoint, materialize_tensor
+from deferinit.materialize.checkpoint import dcp as dcp_source
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts bytes read with /proc/self/io")
 

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from deferinit import CheckpointError, CheckpointMismatchError, deferred_init, is_deferred
 from helpers import assert_same_tensors, named_tensors
-from materialize import LoadResult, load_checkpoint, materialize_module
+from deferinit.materialize import LoadResult, load_checkpoint, materialize_module
 
 MODES = ["real", "deferred"]
 
@@ -357,7 +357,7 @@ def test_a_read_error_before_or_after_a_hook_read_a_value_leaves_every_tensor(fa
 
 
 def test_a_file_truncated_after_its_header_was_read_leaves_a_real_module_unchanged(tmp_path, monkeypatch):
-    from materialize.checkpoint import api
+    from deferinit.materialize.checkpoint import api
 
     torch.manual_seed(1)
     sd = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)).state_dict()

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from deferinit import deferred_init, is_deferred  # noqa: E402
 from helpers import assert_same_tensors  # noqa: E402
-from materialize import LoadResult, load_checkpoint, materialize_module  # noqa: E402
+from deferinit.materialize import LoadResult, load_checkpoint, materialize_module  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 

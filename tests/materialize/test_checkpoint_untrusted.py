@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deferinit import CheckpointNotFoundError, deferred_init
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 from checkpoint_refusals import build, refused, state_dict
 

@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from deferinit import deferred_init
 from deferinit.plan import Plan, read_of
 from helpers import assert_same_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 N = 64
 
@@ -252,7 +252,7 @@ def test_a_computed_tensor_after_an_alias_of_it(how):
     is replayed afresh for eager's graph, and the result takes the real memory
     (found by the fuzzer in mixed order; refused before). Every order gives
     eager's tensors, graph and gradients, the buffer sharing the alias's memory."""
-    from materialize.autograd import graph_leaves
+    from deferinit.materialize.autograd import graph_leaves
 
     torch.manual_seed(0)
     eager = ComputedAndAliased(how)

@@ -109,12 +109,12 @@ def test_fsdp1_without_hooks_names_fsdp1_hooks():
             message = messages[form]
             assert message.startswith("FullyShardedDataParallel (FSDP1) is flattening deferred parameters (")
             assert "fc1.weight" in message and "neither called param_init_fn nor materialized them" in message
-            assert "materialize.distributed.fsdp1_hooks()" in message
+            assert "deferinit.materialize.distributed.fsdp1_hooks()" in message
             assert "with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn" in message
             assert "build the model again (deferred_init)" in message
         message = messages["param_init_fn that does nothing"]
         assert "its param_init_fn left these parameters deferred" in message
-        assert "param_init_fn=materialize.distributed.param_init_fn" in message
+        assert "param_init_fn=deferinit.materialize.distributed.param_init_fn" in message
 
 
 def test_fsdp1_on_one_rank_without_hooks_warns_naming_fsdp1_hooks():
@@ -147,7 +147,7 @@ def test_a_hanging_rank_times_out_and_is_killed():
 def test_fsdp1_hooks_restore_fsdp_exactly():
     from torch.distributed.fsdp import _init_utils
 
-    from materialize.distributed import fsdp1_hooks
+    from deferinit.materialize.distributed import fsdp1_hooks
 
     before = {name: getattr(_init_utils, name, "<absent>") for name in ("_TORCHDISTX_AVAIL", "fake", "deferred_init")}
     with fsdp1_hooks():
@@ -164,7 +164,7 @@ def test_fsdp1_hooks_restore_fsdp_exactly():
 
 
 def test_param_init_fn_materializes_only_the_modules_own_tensors():
-    from materialize.distributed import param_init_fn
+    from deferinit.materialize.distributed import param_init_fn
 
     torch.manual_seed(0)
     eager = workers.Block(4)
@@ -200,7 +200,7 @@ def test_fingerprints_tell_recipes_apart():
 
 
 def test_modules_without_dtensors_take_the_usual_path():
-    from materialize.distributed import materialize_sharded
+    from deferinit.materialize.distributed import materialize_sharded
 
     m = deferred_init(torch.nn.Linear, 3, 2)
     assert materialize_sharded(m, [("weight", m.weight)]) is False

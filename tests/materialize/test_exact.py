@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from helpers import assert_same_tensors, check_exact, eager_and_deferred, materialize_in_order
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 ORDERS = ["module", "forward", "reverse", 0, 1]
 

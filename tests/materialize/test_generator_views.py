@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from deferinit import deferred, deferred_init
 from helpers import assert_same_tensors, build_and_compare
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 # A reference to the real default generator taken before any recording, as
 # a library holding torch.default_generator from its import would.

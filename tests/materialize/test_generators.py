@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
-from fake import fake_mode
+from deferinit.fake import fake_mode
 from helpers import assert_same_tensors, assert_stream, build_and_compare, named_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 CPU = torch.device("cpu")
 

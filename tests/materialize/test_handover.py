@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from helpers import assert_same_tensors, assert_stream, build_and_compare
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 CPU = torch.device("cpu")
 
@@ -282,7 +282,7 @@ def test_handover_waits_for_a_random_factory_a_load_overwrites():
     """As for nn.init fills a checkpoint overwrites: a parameter made by a random
     factory and loaded is allocated, not drawn, and the generator stays where
     deferral left it."""
-    from materialize import load_checkpoint
+    from deferinit.materialize import load_checkpoint
 
     torch.manual_seed(0)
     untouched = torch.rand(8)

@@ -1,4 +1,4 @@
-"""Writes a kernel makes without its schema saying so (``fake.opinfo.HIDDEN_WRITES``):
+"""Writes a kernel makes without its schema saying so (``deferinit.fake.opinfo.HIDDEN_WRITES``):
 batch norm in training mode updates the running statistics it takes as plain
 ``Tensor?``.  Recorded as writes, they are replayed in order; compared with
 eager PyTorch."""
@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from deferinit import deferred_init, is_deferred
-from fake import FakeIntoRealError, fake_mode
-from fake.opinfo import HIDDEN_WRITES, op_info
+from deferinit.fake import FakeIntoRealError, fake_mode
+from deferinit.fake.opinfo import HIDDEN_WRITES, op_info
 from helpers import assert_same_tensors, eager_and_deferred, materialize_in_order
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from helpers import named_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 
 def facts(t):

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred, is_deferred
-from fake import is_fake
+from deferinit.fake import is_fake
 from helpers import assert_same_tensors, named_tensors
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 
 def _same_structure(eager: nn.Module, other: nn.Module) -> None:

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from helpers import assert_same_tensors
-from materialize import load_checkpoint, materialize_module
+from deferinit.materialize import load_checkpoint, materialize_module
 
 RANDOM_KERNELS = ("uniform_", "normal_", "random_", "bernoulli", "exponential_", "randn", "rand")
 

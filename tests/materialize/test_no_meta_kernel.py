@@ -18,11 +18,11 @@ import torch
 import torch.nn as nn
 from torch.nn.utils import parametrizations as P
 
-import fake.dispatch
+from deferinit.fake import dispatch as fake_dispatch
 from deferinit import deferred_init
-from fake import FakeDataAccessError, FakeTensorError, UnsupportedOperatorError, fake_mode
+from deferinit.fake import FakeDataAccessError, FakeTensorError, UnsupportedOperatorError, fake_mode
 from helpers import assert_same_tensors, check_exact
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 ORTHOGONAL = {
     "Linear(5,3)": lambda: P.orthogonal(nn.Linear(5, 3)),
@@ -132,7 +132,7 @@ def test_data_dependent_op_on_a_deferred_tensor_after_deferral():
     got = torch.nonzero(deferred.weight > 0)
     expected = torch.nonzero(eager.weight > 0)
     assert got.shape == expected.shape
-    from materialize import materialize_tensor
+    from deferinit.materialize import materialize_tensor
 
     assert torch.equal(materialize_tensor(got), expected)
 
@@ -177,7 +177,7 @@ def test_unsupported_operator_error_is_not_a_not_implemented_error():
 
 
 def test_standins_over_the_limit_are_refused(monkeypatch):
-    monkeypatch.setattr(fake.dispatch, "STANDIN_LIMIT_BYTES", 1000)
+    monkeypatch.setattr(fake_dispatch, "STANDIN_LIMIT_BYTES", 1000)
 
     class LargeGeqrf(nn.Module):
         def __init__(self):
@@ -193,7 +193,7 @@ def test_standins_over_the_limit_are_refused(monkeypatch):
 
 def test_unsupported_message_keeps_whole_words():
     """PyTorch's message is quoted up to a word boundary, never cut mid-word."""
-    from fake.dispatch import _excerpt
+    from deferinit.fake.dispatch import _excerpt
 
     line = "Could not run 'aten::something' with arguments from the 'Meta' backend. " * 10
     excerpt = _excerpt(line + "\nsecond line")

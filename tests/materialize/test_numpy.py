@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init
-from fake import FakeDataAccessError, fake_mode, is_fake
+from deferinit.fake import FakeDataAccessError, fake_mode, is_fake
 from helpers import check_exact
 
 READS = {

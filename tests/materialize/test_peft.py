@@ -22,7 +22,7 @@ import torch
 
 from deferinit import PendingDrawsWarning, deferred, is_deferred
 from helpers import assert_same_tensors
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,7 @@ def test_pissa_and_olora_after_the_block_equal_eager_in_a_subprocess():
     code = """
 import warnings, torch, peft, transformers
 from deferinit import PendingDrawsWarning, deferred
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 warnings.simplefilter("ignore", FutureWarning)
 config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)

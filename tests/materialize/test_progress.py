@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from deferinit.text import fmt_bytes
-from materialize import materialize_module, progress as progress_module
+from deferinit.materialize import materialize_module, progress as progress_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SUMMARY = re.compile(r"^deferinit: materialized (\d+) tensors \(([^)]+)\) in [\d.]+ m?s$", re.M)
@@ -30,7 +30,7 @@ SUMMARY = re.compile(r"^deferinit: materialized (\d+) tensors \(([^)]+)\) in [\d
 SCRIPT = """
 import sys, torch, torch.nn as nn
 from deferinit import deferred_init, is_deferred
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 def build():
     return nn.Sequential(*[nn.Linear(64, 64) for _ in range({layers})], nn.LayerNorm(64))

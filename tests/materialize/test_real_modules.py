@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
-from fake import FakeIntoRealError
+from deferinit.fake import FakeIntoRealError
 from helpers import assert_same_tensors, materialize_in_order, named_tensors
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 ORDERS = ["module", "forward", "reverse", 7]
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init
-from fake import fake_mode
+from deferinit.fake import fake_mode
 from helpers import check_exact
 
 REJECTED = {
@@ -145,7 +145,7 @@ def test_explicit_generators_are_not_drawn_by_the_checks():
 def test_checks_never_draw_from_the_default_generator():
     """Random checks run eager kernels: always on a private generator (randn's
     default overload goes through randn.generator)."""
-    import fake.checks
+    from deferinit.fake import checks as fake_checks
 
     calls = [
         lambda: torch.randn(3), lambda: torch.rand(2, 2), lambda: torch.randint(0, 5, (3,)),
@@ -154,7 +154,7 @@ def test_checks_never_draw_from_the_default_generator():
         lambda: torch.bernoulli(torch.full((3,), 0.5)), lambda: torch.empty(1, 3).expand(2, 3).bernoulli_(),
     ]
     for call in calls:
-        fake.checks._passed.clear()  # not answered from the cache
+        fake_checks._passed.clear()  # not answered from the cache
         before = torch.default_generator.get_state()
         try:
             deferred_init(call)

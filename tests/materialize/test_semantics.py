@@ -18,9 +18,9 @@ from deferinit import (
     deferred_init,
     is_deferred,
 )
-from fake import fake_mode, is_fake
+from deferinit.fake import fake_mode, is_fake
 from helpers import assert_same_tensors, eager_and_deferred, named_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 CUDA_MISSING = not torch.cuda.is_available()
 
@@ -261,7 +261,7 @@ def test_failing_op_leaves_the_module_deferred_and_usable():
 
 def test_replay_error_names_the_op_and_tensor(monkeypatch):
     m = deferred_init(nn.Linear, 2, 2)
-    from materialize import replay
+    from deferinit.materialize import replay
 
     original = replay.Replay._run_node
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
-from fake import fake_mode, is_fake
+from deferinit.fake import fake_mode, is_fake
 from helpers import check_exact
 
 SET_FORMS = {
@@ -74,7 +74,7 @@ def check_exact_geometry(ctor):
     eager = ctor()
     torch.manual_seed(0)
     deferred = deferred_init(ctor)
-    from materialize import materialize_module
+    from deferinit.materialize import materialize_module
 
     materialize_module(deferred)
     assert torch.equal(eager.head, deferred.head) and torch.equal(eager.src[:4], deferred.src[:4])

@@ -12,9 +12,9 @@ import torch.nn as nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from deferinit import deferred_init, is_deferred
-from fake import fake_mode, is_fake
+from deferinit.fake import fake_mode, is_fake
 from helpers import assert_same_tensors, check_exact
-from materialize import materialize_module
+from deferinit.materialize import materialize_module
 
 
 class Int8Params(nn.Parameter):

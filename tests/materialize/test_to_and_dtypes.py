@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
 from helpers import assert_same_tensors, check_exact, named_tensors
-from materialize import materialize_module, materialize_tensor
+from deferinit.materialize import materialize_module, materialize_tensor
 
 CPU = torch.device("cpu")
 CUDA0 = torch.device("cuda", 0)

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from deferinit import deferred_init, is_deferred  # noqa: E402
 from helpers import check_exact  # noqa: E402
-from materialize import materialize_module  # noqa: E402
+from deferinit.materialize import materialize_module  # noqa: E402
 
 SMALL_LLAMA = dict(
     vocab_size=128,
