@@ -40,6 +40,7 @@ from .errors import (
     PendingDrawsWarning,
     RecordingError,
     ReplayError,
+    UnsupportedModeError,
 )
 from deferinit.fake import handlers
 
@@ -69,6 +70,7 @@ __all__ = [
     "PendingDrawsWarning",
     "RecordingError",
     "ReplayError",
+    "UnsupportedModeError",
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",

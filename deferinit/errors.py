@@ -32,6 +32,13 @@ class DataDependentError(RecordingError):
     """Recording needed the value of a tensor that cannot be computed now."""
 
 
+class UnsupportedModeError(RecordingError):
+    """A deferral was entered under a mode it cannot honour: PyTorch's own
+    tracing and fake-tensor modes (``FakeTensorMode``, ``make_fx``'s proxy
+    mode, functionalization), which make the tensors themselves and would see
+    none of the calls the deferral records.  Nothing was entered."""
+
+
 class MaterializationError(DeferredInitError):
     """Replaying the record failed; nothing was changed."""
 

@@ -11,6 +11,7 @@ import torch
 from deferinit.fake.mode import fake_modes
 
 from . import patches, pending, seeding
+from .errors import UnsupportedModeError
 from .holdings import module_tensors
 from .record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
@@ -73,6 +74,7 @@ def deferred():
 def _recording(label: str, note: str):
     """Record everything made in the block: the outermost block opens a record
     and closes it on exit; nested blocks (either form) share it."""
+    _refuse_unhonourable_modes(note)
     outer = current_record()
     record = outer if outer is not None else Record(label)
     open_records().append(record)
@@ -90,6 +92,30 @@ def _recording(label: str, note: str):
             if record.chained:
                 seeding.hold_while_alive(record)
             pending.watch(record)
+
+
+def _refuse_unhonourable_modes(note: str) -> None:
+    """Refuse to enter under a dispatch mode the deferral cannot honour.
+
+    User modes, entered outside the block or inside it, see every call the
+    block makes and what they return is recorded (the block's own modes sit
+    below them, ``deferinit.fake.mode``).  PyTorch's infrastructure modes
+    (``is_infra_mode()``: FakeTensorMode, make_fx's proxy mode,
+    functionalization) sit below every other mode and make the tensors
+    themselves: under them eager construction gives their tensors and their
+    graph, which a deferral, making its own fakes, cannot.
+    """
+    for i in range(torch._C._len_torch_dispatch_stack()):
+        mode = torch._C._get_dispatch_stack_at(i)
+        if mode.is_infra_mode():
+            name = f"{type(mode).__module__}.{type(mode).__qualname__}"
+            raise UnsupportedModeError(
+                f"{note} cannot be entered under {type(mode).__name__} ({name}): PyTorch's "
+                "tracing and fake-tensor modes make every tensor themselves, so eagerly this "
+                f"block would give {type(mode).__name__}'s tensors (and its trace), which a deferral "
+                "cannot record. Enter the deferral outside that mode, or build the module there "
+                "without deferral (materialize a deferred module first, then run it under the mode)."
+            )
 
 
 def _label(fn) -> str:

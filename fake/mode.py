@@ -5,6 +5,15 @@ calls before their arguments are parsed (so ``device="cuda"`` can be
 rewritten, see :mod:`deferinit.fake.function`), and a dispatch mode, which sees every
 ATen operator and hands it to a handler.  Both live on PyTorch's per-thread
 mode stacks, so a fake mode is thread-local and nests.
+
+Both sink below the modes of others that are active when they are entered,
+as PyTorch's own FakeTensorMode does: a user's mode, entered outside the
+block or inside it, sees every call and operator first, as it would
+eagerly, and what it returns is what the block gets (Lightning's
+``init_module(empty_init=True)`` skips ``nn.init`` calls, a counting mode
+counts eager's calls).  Only ``DeviceContext``, which must stay at the
+bottom of the function stack, and PyTorch's infrastructure dispatch modes
+stay below them.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from types import FunctionType
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import DeviceContext
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
@@ -24,7 +34,7 @@ from .reads import READS, read, reads_memory
 from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
 from .subclass import accepting_fakes
-from .tensor import FakeTensor
+from .tensor import REPORTED, FakeTensor, reported
 
 
 # Calls a function past its own torch-function prologue (what
@@ -39,11 +49,15 @@ _parse_to = torch._C._nn._parse_to
 
 
 # Calls that may need a device rewritten even without keyword arguments.
-_HANDLED = CONSTRUCTORS | READS | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__}
+_HANDLED = CONSTRUCTORS | READS | set(REPORTED) | {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as, torch.Tensor.__deepcopy__}
 
 
 class FakeFunctionMode(TorchFunctionMode):
     """Rewrites devices in calls so that they never initialise a backend."""
+
+    # Reads of a fake's device that a user's mode above saw come here to be
+    # answered (deferinit.fake.tensor.shown_to_modes).
+    answers_fakes = True
 
     def __init__(self, fake_cuda: bool, fast=None, context=None) -> None:
         super().__init__()
@@ -55,10 +69,20 @@ class FakeFunctionMode(TorchFunctionMode):
         # Fast paths stand in for the dispatch mode entered with this one, so
         # they only apply while it is the innermost dispatch mode (a fake_mode
         # inside deferred_init makes plain fakes; a user's mode above ours
-        # sees every op): while the dispatch stack has the depth it had then.
+        # sees every op): while the dispatch stack has the depth it had when
+        # that mode was entered on top (-1: it went below a user's mode).
         self.partner_depth = -1
         # (function, first argument) of the Python bodies running through this mode.
         self.bodies: list = []
+
+    def __enter__(self):
+        super().__enter__()
+        _sink(self, _FUNCTION, _function_stays_below)
+        return self
+
+    def __exit__(self, *exc):
+        _surface(self, _FUNCTION)
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _PLAIN:
@@ -80,6 +104,9 @@ class FakeFunctionMode(TorchFunctionMode):
             # Most calls (dim(), size(), add()...): nothing to rewrite.
             return func(*args)
         kwargs = kwargs or {}
+        name = REPORTED.get(func)
+        if name is not None and isinstance(args[0], FakeTensor):
+            return reported(args[0], name)
         if func is _parse_to:
             # nn.Module.to parses its arguments: a device is only read there.
             return func(*args, **kwargs)
@@ -209,11 +236,12 @@ class FakeDispatchMode(TorchDispatchMode):
     """Hands every operator to a handler: the plain fake handler, or the
     recorder of ``deferinit`` (``context`` is then its record).
 
-    The mode of :func:`fake_mode` (``yields=True``) stays below the other
-    dispatch modes that are active when it is entered, as PyTorch's own
-    FakeTensorMode does: a ``MemTracker`` or ``FlopCounterMode`` sees every
-    operator whichever of the two blocks is the outer one, and tensor
-    subclasses of others (DTensor) handle their operators first.
+    It stays below the other dispatch modes that are active when it is
+    entered, as PyTorch's own FakeTensorMode does: a ``MemTracker``, a
+    ``FlopCounterMode`` or a user's logging mode sees every operator
+    whichever of the two blocks is the outer one.  The mode of
+    :func:`fake_mode` (``yields=True``) also lets tensor subclasses of
+    others (DTensor) handle their operators first.
     """
 
     @classmethod
@@ -241,57 +269,77 @@ class FakeDispatchMode(TorchDispatchMode):
 
     def __enter__(self):
         super().__enter__()
-        if self.yields:
-            _sink(self)
+        _sink(self, _DISPATCH, _dispatch_stays_below)
         return self
 
     def __exit__(self, *exc):
-        if self.yields:
-            _surface(self)
+        _surface(self, _DISPATCH)
         return super().__exit__(*exc)
 
 
-_len_dispatch = torch._C._len_torch_dispatch_stack
-_dispatch_at = torch._C._get_dispatch_stack_at
-_pop_dispatch = torch._C._pop_torch_dispatch_stack
-_push_dispatch = torch._C._push_on_torch_dispatch_stack
+class _Stack:
+    """One of PyTorch's per-thread mode stacks, as the few calls that reorder it."""
+
+    __slots__ = ("length", "at", "push", "pop")
+
+    def __init__(self, length, at, push, pop) -> None:
+        self.length, self.at, self.push, self.pop = length, at, push, pop
 
 
-def _sink(mode) -> None:
-    """Move ``mode`` (on top) below the dispatch modes of others above our own."""
+_DISPATCH = _Stack(
+    torch._C._len_torch_dispatch_stack, torch._C._get_dispatch_stack_at,
+    torch._C._push_on_torch_dispatch_stack, lambda: torch._C._pop_torch_dispatch_stack(None),
+)
+_FUNCTION = _Stack(torch._C._len_torch_function_stack, torch._C._get_function_stack_at, _push, _pop)
+_dispatch_at = _DISPATCH.at
+
+
+def _dispatch_stays_below(mode) -> bool:
+    # PyTorch's infrastructure modes (FakeTensorMode...) stay at the bottom.
+    return isinstance(mode, FakeDispatchMode) or mode.is_infra_mode()
+
+
+def _function_stays_below(mode) -> bool:
+    # DeviceContext asserts it is at the bottom of the stack when it leaves.
+    return isinstance(mode, (FakeFunctionMode, DeviceContext))
+
+
+def _sink(mode, stack: _Stack, stays_below) -> None:
+    """Move ``mode`` (on top of ``stack``) below the modes of others above our own,
+    so that they see every call first, as they would without us."""
     above = []
-    n = _len_dispatch() - 1
+    n = stack.length() - 1
     while n > 0:
-        below = _dispatch_at(n - 1)
-        if isinstance(below, FakeDispatchMode) or below.is_infra_mode():
+        below = stack.at(n - 1)
+        if stays_below(below):
             break
         above.append(below)
         n -= 1
     if not above:
         return
-    _pop_dispatch(None)
+    stack.pop()
     for _ in above:
-        _pop_dispatch(None)
-    _push_dispatch(mode)
+        stack.pop()
+    stack.push(mode)
     for other in reversed(above):
-        _push_dispatch(other)
+        stack.push(other)
 
 
-def _surface(mode) -> None:
-    """Bring ``mode`` back to the top, so that leaving it pops it."""
+def _surface(mode, stack: _Stack) -> None:
+    """Bring ``mode`` back to the top of ``stack``, so that leaving it pops it."""
     above = []
-    n = _len_dispatch()
-    while n > 0 and _dispatch_at(n - 1) is not mode:
-        above.append(_dispatch_at(n - 1))
+    n = stack.length()
+    while n > 0 and stack.at(n - 1) is not mode:
+        above.append(stack.at(n - 1))
         n -= 1
     if not above or n == 0:
         return  # on top already, or not on the stack at all
     for _ in above:
-        _pop_dispatch(None)
-    _pop_dispatch(None)
+        stack.pop()
+    stack.pop()
     for other in reversed(above):
-        _push_dispatch(other)
-    _push_dispatch(mode)
+        stack.push(other)
+    stack.push(mode)
 
 
 @contextlib.contextmanager
@@ -300,7 +348,9 @@ def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = Fal
     function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
     dispatch_mode = FakeDispatchMode(handler, context, yields)
     with accepting_fakes(), function_mode, dispatch_mode:
-        function_mode.partner_depth = _dispatch_depth()
+        depth = _dispatch_depth()
+        if _dispatch_at(depth - 1) is dispatch_mode:
+            function_mode.partner_depth = depth
         yield
 
 
@@ -333,3 +383,4 @@ def fake_mode(*, fake_cuda: bool = False):
     """
     with fake_modes(handlers.plain(), None, fake_cuda, yields=True), planning():
         yield
+

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from torch.utils._device import DeviceContext as _DeviceContext
+
 from . import first as _first
 from . import handlers
 from .bypass import no_python_dispatch
@@ -77,26 +79,37 @@ class FakeTensor(torch.Tensor):
 
     # The device is reported from Python.  The C++ object may sit on CPU
     # instead (see backend_device), so autograd never asks for a backend
-    # that this build does not have.
+    # that this build does not have.  A user's torch-function mode above a
+    # fake mode sees these reads as it sees them of a real tensor (see
+    # shown_to_modes).
     @property
     def device(self) -> torch.device:
+        if _function_modes_on() and shown_to_modes():
+            return _handle(_GETTERS["device"], (self,), self)
         return self.__dict__["_device"]
 
     @property
     def is_cuda(self) -> bool:
+        if _function_modes_on() and shown_to_modes():
+            return _handle(_GETTERS["is_cuda"], (self,), self)
         return kind_of(self.__dict__["_device"]) == "cuda"
 
     @property
     def is_cpu(self) -> bool:
+        if _function_modes_on() and shown_to_modes():
+            return _handle(_GETTERS["is_cpu"], (self,), self)
         return kind_of(self.__dict__["_device"]) == "cpu"
 
     @property
     def is_meta(self) -> bool:
+        if _function_modes_on() and shown_to_modes():
+            return _handle(_GETTERS["is_meta"], (self,), self)
         return False
 
     def get_device(self) -> int:
-        device = self.__dict__["_device"]
-        return -1 if kind_of(device) == "cpu" else device.index
+        if _function_modes_on() and shown_to_modes():
+            return _handle(_GETTERS["get_device"], (self,), self)
+        return reported(self, "get_device")
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -150,10 +163,26 @@ class FakeTensor(torch.Tensor):
     def data(self, new) -> None:
         handlers.for_args((self, new), None).set_data(self, new)
 
+    # -- nn.Parameter(fake) -------------------------------------------------------
+
+    def detach(self):
+        if type(self) is FakeTensor and sys._getframe(1).f_code is _PARAMETER_NEW:
+            # nn.Parameter(t): eagerly _make_subclass, which no mode sees (it
+            # neither calls torch functions nor dispatches an operator); the
+            # custom-tensor path it takes for a fake must not show a user's
+            # modes what eager construction never shows them.
+            with _NO_TORCH_FUNCTION():
+                return handlers.for_args((self,), None).dispatch(_DETACH_OP, (self,), {}, None)
+        return _DETACH(self)
+
     # -- requires_grad ----------------------------------------------------------
 
     def requires_grad_(self, requires_grad=True):
-        _REQUIRES_GRAD_(self, requires_grad)
+        if type(self) is FakeTensor and sys._getframe(1).f_code is _PARAMETER_NEW:
+            with _NO_TORCH_FUNCTION():  # see detach
+                _REQUIRES_GRAD_(self, requires_grad)
+        else:
+            _REQUIRES_GRAD_(self, requires_grad)
         # A view follows its base's flag: the recorder notes when it changed.
         handlers.for_args((self,), None).requires_grad_changed(self)
         return self
@@ -268,6 +297,9 @@ def _read_only(array, real: torch.Tensor):
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad
 _REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+_DETACH = torch._C.TensorBase.detach
+_DETACH_OP = torch.ops.aten.detach.default
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunction
 _STRIDED = torch.strided
 
 
@@ -353,6 +385,63 @@ def _new_tensor(self, data, dtype=None, device=None, requires_grad=False, layout
 _shape = torch.Tensor.shape.__get__
 _dtype = torch.Tensor.dtype.__get__
 _device = torch.Tensor.device.__get__
+
+
+_function_modes_on = torch._C._is_torch_function_mode_enabled
+_handle = torch.overrides.handle_torch_function
+_len_function = torch._C._len_torch_function_stack
+_function_at = torch._C._get_function_stack_at
+
+# What a fake reports from Python where a real tensor asks C++: the C
+# getters a torch-function mode sees eagerly, by name.
+_GETTERS = {
+    "device": torch._C.TensorBase.device.__get__,
+    "is_cuda": torch._C.TensorBase.is_cuda.__get__,
+    "is_cpu": torch._C.TensorBase.is_cpu.__get__,
+    "is_meta": torch._C.TensorBase.is_meta.__get__,
+    "get_device": torch._C.TensorBase.get_device,
+}
+#: getter -> name, for the fake mode that answers them (deferinit.fake.mode).
+REPORTED = {getter: name for name, getter in _GETTERS.items()}
+
+
+def reported(fake: "FakeTensor", name: str):
+    """What ``fake`` reports for ``name`` (a key of ``_GETTERS``), without asking any mode.
+
+    Example::
+
+        >>> t = FakeTensor(torch.empty(2, device="meta"), "cuda")
+        >>> reported(t, "device"), reported(t, "is_cuda"), reported(t, "get_device")
+        (device(type='cuda', index=0), True, 0)
+    """
+    device = fake.__dict__["_device"]
+    if name == "device":
+        return device
+    kind = kind_of(device)
+    if name == "get_device":
+        return -1 if kind == "cpu" else device.index
+    if name == "is_meta":
+        return False
+    return kind == name[3:]
+
+
+def shown_to_modes() -> bool:
+    """Whether a read of what a fake reports (its device) goes to the modes:
+    a user's torch-function mode is on top of a fake mode, which answers it
+    after them.  Eagerly such a mode sees the read of a real tensor's device;
+    the fake mode below answers what the fake reports, not the device its
+    C++ side sits on."""
+    n = _len_function()
+    if n == 0:
+        return False
+    top = _function_at(n - 1)
+    if getattr(top, "answers_fakes", False) or type(top) is _DeviceContext:
+        return False
+    while n > 1:
+        n -= 1
+        if getattr(_function_at(n - 1), "answers_fakes", False):
+            return True
+    return False
 
 
 def describe(t: torch.Tensor) -> str:
