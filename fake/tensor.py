@@ -446,8 +446,19 @@ def shown_to_modes() -> bool:
 
 def describe(t: torch.Tensor) -> str:
     """A short description of a tensor that never reads its data (nor asks a
-    subclass that refuses to tell its shape, like ``UninitializedParameter``)."""
-    return f"(size={tuple(_shape(t))}, dtype={_dtype(t)}, device='{_device(t)}')"
+    subclass that refuses to tell its shape, like ``UninitializedParameter``).
+    A fake is described by the device it reports, never by the one its C++
+    side sits on (CPU for ``cuda`` on a build without CUDA).
+
+    Example::
+
+        >>> describe(FakeTensor(torch.empty(2, 3, device="meta"), "cuda"))
+        "(size=(2, 3), dtype=torch.float32, device='cuda:0')"
+    """
+    device = t.__dict__.get("_device") if isinstance(t, FakeTensor) else None
+    if device is None:
+        device = _device(t)
+    return f"(size={tuple(_shape(t))}, dtype={_dtype(t)}, device='{device}')"
 
 
 def is_fake(t) -> bool:
