@@ -40,6 +40,7 @@ from .errors import (
     PendingDrawsWarning,
     RecordingError,
     ReplayError,
+    UnsupportedCallError,
     UnsupportedModeError,
 )
 from deferinit.fake import handlers
@@ -70,6 +71,7 @@ __all__ = [
     "PendingDrawsWarning",
     "RecordingError",
     "ReplayError",
+    "UnsupportedCallError",
     "UnsupportedModeError",
     "CheckpointError",
     "CheckpointMismatchError",

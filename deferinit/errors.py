@@ -39,6 +39,12 @@ class UnsupportedModeError(RecordingError):
     none of the calls the deferral records.  Nothing was entered."""
 
 
+class UnsupportedCallError(RecordingError):
+    """A library call that needs the real model met a deferred tensor
+    (``torch.jit.trace`` runs and keeps what it computes); it names the call
+    and its fix: materialize first.  Nothing was recorded."""
+
+
 class MaterializationError(DeferredInitError):
     """Replaying the record failed; nothing was changed."""
 

@@ -137,14 +137,17 @@ class Storage:
     creation).  Once a tensor on it has been materialized, ``real`` holds the
     real untyped storage and ``real_head`` the head it reflects, so that
     views and bases materialized at different times share memory.
+    ``shared``: ``share_memory_()`` was called on a tensor of it (its real
+    memory is moved to shared memory when materialized).
     """
 
-    __slots__ = ("head", "real", "real_head", "__weakref__")
+    __slots__ = ("head", "real", "real_head", "shared", "__weakref__")
 
     def __init__(self):
         self.head = None
         self.real = None
         self.real_head = None
+        self.shared = False
 
 
 class Value:

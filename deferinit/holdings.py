@@ -1,4 +1,4 @@
-"""The tensors a module holds: parameters, buffers and plain attributes.
+"""The tensors a module holds: parameters, buffers, plain attributes, and what other objects it holds keep.
 
 Constructors keep tensors outside ``_parameters`` and ``_buffers`` too:
 ``self.freqs = 1.0 / 10000 ** (...)`` (rotary tables in diffusers and
@@ -8,24 +8,45 @@ materializing a module must reach them.  The walk looks into the module's
 own ``__dict__`` and, recursively, into the plain containers it holds
 (``list``, ``tuple``, ``dict``, ``set`` and their subclasses), each
 container once (cycles end there); it never enters submodules (they are
-walked as modules), tensors, or other objects.  Tensors that other objects
-hold directly in their ``__dict__`` are reported apart (``beyond``), for a
-warning: they may belong to something shared, and are left alone.
+walked as modules) or tensors.
+
+Other objects a module holds keep tensors too: a hook object's map of
+offloaded weights (accelerate's ``cpu_offload`` moves the parameters to
+``meta`` and keeps the weights in its hook), a ``functools.partial`` or a
+closure put in place of ``forward``.  Those are ``beyond``: tensors
+reachable from the module through other objects' attributes (``__dict__``
+and ``__slots__``), partials, bound methods and closures, recursively --
+never through a module, a class, a Python module or a function's globals,
+and each object once per walk (``seen`` may be shared by the walks of a
+whole module tree).  A deferred tensor there is still a deferred tensor of
+the module: ``is_deferred`` says so and ``materialize_module`` makes it
+real with the rest.
 """
 
 from __future__ import annotations
+
+import functools
+import types
 
 import torch
 
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 # Module internals walked by other means (submodules) or named otherwise.
 _SKIP = frozenset({"_parameters", "_buffers", "_modules"})
+# Never entered: what holds no tensor of its own, or whose reach is the
+# whole program (classes, Python modules, functions' globals).
+_OPAQUE = (type, types.ModuleType, str, bytes, bytearray, int, float, complex, bool, type(None),
+           torch.dtype, torch.device, torch.Size, torch.Generator)
+# Objects entered at most this deep below the module (a hook, its weights
+# map, the map's dict: 2 objects), and at most this many in one walk.
+_DEPTH = 8
+_BUDGET = 200_000
 
 
 class Holdings:
     """What one module (not its submodules) holds: ``(name, tensor, kind)``
     triples, ``kind`` being ``"parameter"``, ``"buffer"`` or ``"attribute"``,
-    and ``beyond``: ``(name, tensor)`` pairs held by other objects one level down."""
+    and ``beyond``: ``(name, tensor)`` pairs other objects it holds keep."""
 
     __slots__ = ("tensors", "beyond")
 
@@ -34,8 +55,11 @@ class Holdings:
         self.beyond: list = []
 
 
-def holdings(module: torch.nn.Module, prefix: str = "") -> Holdings:
+def holdings(module: torch.nn.Module, prefix: str = "", seen: set | None = None) -> Holdings:
     """The tensors ``module`` itself holds, named with ``prefix``.
+
+    ``seen`` (ids of objects already walked) may be shared by the walks of
+    the modules of one tree, so that an object they share is walked once.
 
     Example::
 
@@ -47,6 +71,12 @@ def holdings(module: torch.nn.Module, prefix: str = "") -> Holdings:
         ...         self.tables = {"sin": [torch.zeros(2)], "cos": (torch.ones(2),)}
         >>> [(name, kind) for name, _, kind in holdings(Rope()).tensors]
         [('freqs', 'attribute'), ("tables['sin'][0]", 'attribute'), ("tables['cos'][0]", 'attribute')]
+        >>> class Hook:
+        ...     def __init__(self):
+        ...         self.weights_map = {"weight": torch.ones(2)}
+        >>> layer = torch.nn.Linear(2, 2); layer._hook = Hook()
+        >>> [name for name, _ in holdings(layer).beyond]
+        ["_hook.weights_map['weight']"]
     """
     found = Holdings()
     dot = f"{prefix}." if prefix else ""
@@ -56,48 +86,115 @@ def holdings(module: torch.nn.Module, prefix: str = "") -> Holdings:
     for name, t in module._buffers.items():
         if t is not None:
             found.tensors.append((dot + name, t, "buffer"))
-    seen: set = set()
+    walk = _Walk(found, set() if seen is None else seen)
     for key, value in list(vars(module).items()):
         if key not in _SKIP:
-            _walk(dot + key, value, found, seen)
+            walk.held(dot + key, value)
     return found
 
 
-def _walk(name: str, value, found: Holdings, seen: set) -> None:
-    if isinstance(value, torch.Tensor):
-        found.tensors.append((name, value, "attribute"))
-        return
-    if isinstance(value, torch.nn.Module):
-        return
-    if isinstance(value, _CONTAINERS):
-        if id(value) in seen:
+class _Walk:
+    """One walk: containers of the module (``tensors``), then other objects (``beyond``)."""
+
+    __slots__ = ("found", "seen", "containers", "budget")
+
+    def __init__(self, found: Holdings, seen: set) -> None:
+        self.found = found
+        self.seen = seen
+        self.containers: set = set()
+        self.budget = _BUDGET
+
+    def held(self, name: str, value) -> None:
+        """What the module holds itself: tensors, and plain containers of them."""
+        if isinstance(value, torch.Tensor):
+            self.found.tensors.append((name, value, "attribute"))
+        elif isinstance(value, _CONTAINERS):
+            if id(value) in self.containers:
+                return
+            self.containers.add(id(value))
+            for item_name, item in _items(name, value):
+                self.held(item_name, item)
+        elif not isinstance(value, (torch.nn.Module, *_OPAQUE)):
+            self.beyond(name, value, 1)
+
+    def beyond(self, name: str, value, depth: int) -> None:
+        """What other objects the module holds keep, ``depth`` objects down."""
+        if isinstance(value, torch.Tensor):
+            self.found.beyond.append((name, value))
             return
-        seen.add(id(value))
-        if isinstance(value, dict):
-            items = [(f"{name}[{k!r}]", v) for k, v in list(value.items())]
-        elif isinstance(value, (set, frozenset)):
-            items = [(f"{name}{{}}", v) for v in list(value)]
-        else:
-            items = [(f"{name}[{i}]", v) for i, v in enumerate(list(value))]
-        for item_name, item in items:
-            _walk(item_name, item, found, seen)
-        return
-    attrs = getattr(value, "__dict__", None)
-    if type(attrs) is dict and not isinstance(value, type):
-        for key, item in list(attrs.items()):
-            if isinstance(item, torch.Tensor):
-                found.beyond.append((f"{name}.{key}", item))
+        if isinstance(value, (torch.nn.Module, *_OPAQUE)) or id(value) in self.seen:
+            return
+        if self.budget <= 0:
+            return
+        self.budget -= 1
+        self.seen.add(id(value))
+        if isinstance(value, _CONTAINERS):
+            for item_name, item in _items(name, value):
+                self.beyond(item_name, item, depth)
+            return
+        if depth > _DEPTH:
+            return
+        for key, item in _attributes(value):
+            self.beyond(f"{name}.{key}", item, depth + 1)
+
+
+def _items(name: str, value):
+    if isinstance(value, dict):
+        return [(f"{name}[{k!r}]", v) for k, v in list(value.items())]
+    if isinstance(value, (set, frozenset)):
+        return [(f"{name}{{}}", v) for v in list(value)]
+    return [(f"{name}[{i}]", v) for i, v in enumerate(list(value))]
+
+
+def _attributes(obj):
+    """``(name, value)`` of what ``obj`` keeps: its ``__dict__`` and ``__slots__``,
+    a partial's function and arguments, a bound method's object, a function's
+    closure; read without running any ``__getattr__`` or property."""
+    if isinstance(obj, functools.partial):
+        return [("func", obj.func), ("args", obj.args), ("keywords", obj.keywords)]
+    if isinstance(obj, types.MethodType):
+        return [("__self__", obj.__self__), ("__func__", obj.__func__)]
+    out = []
+    if isinstance(obj, types.FunctionType):
+        for var, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                out.append((var, cell.cell_contents))
+            except ValueError:  # an empty cell
+                pass
+    try:
+        attrs = object.__getattribute__(obj, "__dict__")
+    except Exception:
+        attrs = None
+    if type(attrs) is dict:
+        out.extend(list(attrs.items()))
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot in ("__dict__", "__weakref__"):
+                continue
+            if slot.startswith("__") and not slot.endswith("__"):
+                slot = f"_{cls.__name__.lstrip('_')}{slot}"  # name-mangled
+            try:
+                out.append((slot, object.__getattribute__(obj, slot)))
+            except Exception:  # an unset slot
+                pass
+    return out
 
 
 def module_tensors(module: torch.nn.Module):
     """``(qualified name, tensor, kind, submodule)`` for every tensor ``module``
-    and its submodules hold (see :func:`holdings`), ties and repeats included.
+    and its submodules hold (see :func:`holdings`), ties and repeats included;
+    tensors other objects keep have the kind ``"beyond"``.
 
     Example::
 
         >>> [(n, k) for n, _, k, _ in module_tensors(torch.nn.Sequential(torch.nn.Linear(1, 1)))]
         [('0.weight', 'parameter'), ('0.bias', 'parameter')]
     """
+    seen: set = set()
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, t, kind in holdings(sub, prefix).tensors:
+        held = holdings(sub, prefix, seen)
+        for name, t, kind in held.tensors:
             yield name, t, kind, sub
+        for name, t in held.beyond:
+            yield name, t, "beyond", sub

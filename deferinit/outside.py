@@ -20,6 +20,8 @@ materialization.  So an operation on a deferred tensor outside
   recorded faithfully nor silently dropped (a lazy module's parameter
   inference builds rather than runs, and is recorded: see
   :func:`deferinit.where.training`);
+* ``torch.jit.trace`` is running: it would keep what it computes, so it
+  is refused (:class:`~deferinit.errors.UnsupportedCallError`);
 * an argument is a fake whose values are unknown (computed by the above):
   the result has unknown values too; writing it into a deferred tensor
   raises :class:`~deferinit.errors.DeferredWriteError`.
@@ -38,8 +40,8 @@ from torch.nn import Module
 from deferinit.fake.state import in_fake_mode
 from deferinit.fake.tensor import FakeTensor, describe
 
-from .errors import FSDP1_FIX, DeferredModuleWarning, DeferredWriteError
-from .where import tensor_name, training
+from .errors import FSDP1_FIX, DeferredModuleWarning, DeferredWriteError, UnsupportedCallError
+from .where import library_call, tensor_name, training
 
 # Modules already warned about (once each).
 _warned: "weakref.WeakSet" = weakref.WeakSet()
@@ -65,7 +67,14 @@ def computes_plain(func, info, args, kwargs) -> bool:
     computed as plain fakes instead of recorded (raises for forbidden writes)."""
     if in_fake_mode():
         return True
-    module, optimizer, backward = training()
+    module, optimizer, backward, tracer = training()
+    if tracer:
+        raise UnsupportedCallError(
+            f"{library_call() or 'torch.jit.trace'} ran {func} on a deferred tensor: TorchScript "
+            "tracing runs the model and keeps what it computes, here fake tensors without values "
+            "(and check_trace compares those values). Materialize the model first "
+            "(materialize_module(model)), then trace it."
+        )
     module = _compiled_from(module)
     if module is None and optimizer is None and not backward:
         if not _has_plain_fake(args, kwargs):

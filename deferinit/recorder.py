@@ -31,7 +31,7 @@ from .grad import data_node, grad_fn_of, note_autograd, note_set_with_grad, note
 from .graph import Input, Node, Storage, Value
 from .record import current_record
 from .rng import stream_key
-from .where import constructing
+from .where import constructing, library_call
 
 aten = torch.ops.aten
 
@@ -150,7 +150,14 @@ class Recorder(FakeHandler):
 
     def where(self) -> str:
         if current_record() is None:
-            return " (on a deferred tensor, after deferred_init returned)"
+            call = library_call()
+            if call is None:
+                return " (on a deferred tensor, after deferred_init returned)"
+            function = call.split(" ")[0].rpartition(".")[2]
+            return (
+                f" (on a deferred tensor, after deferred_init returned, inside {call}; that call "
+                f"needs the real model: materialize it first (materialize_module(model)), then call {function})"
+            )
         return f" (while constructing {constructing()})"
 
     def _read(self, fake: FakeTensor, func, record) -> Input:
@@ -334,6 +341,24 @@ class Recorder(FakeHandler):
             return unflatten_output(out, how)
 
         return self.data_access(name, fakes, compute)
+
+    def share_memory(self, fake) -> None:
+        """``share_memory_()`` (``model.share_memory()``) on a deferred tensor: its
+        storage is marked, and materialization moves its real memory to shared
+        memory, as eager's call did (nothing is recorded: values do not change)."""
+        if fake._record is None:
+            return FakeHandler.share_memory(self, fake)
+        storage = fake._storage
+        if storage.real is not None:
+            storage.real.share_memory_()
+        else:
+            storage.shared = True
+
+    def is_shared(self, fake) -> bool:
+        if fake._record is None:
+            return FakeHandler.is_shared(self, fake)
+        storage = fake._storage
+        return storage.shared or (storage.real is not None and storage.real.is_shared())
 
     def data_access(self, operation, fake, compute):
         fakes = fake if isinstance(fake, list) else [fake]

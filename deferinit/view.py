@@ -23,9 +23,9 @@ from .holdings import module_tensors
 
 
 def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
-    """``(name, deferred fake)`` pairs of a module (parameters, buffers and
-    plain tensor attributes, DTensor local shards included, ties once) or of
-    a single tensor."""
+    """``(name, deferred fake)`` pairs of a module (parameters, buffers,
+    plain tensor attributes and what other objects it holds keep, DTensor
+    local shards included, ties once) or of a single tensor."""
     if isinstance(obj, torch.Tensor):
         fake = obj if is_deferred_fake(obj) else getattr(obj, "_local_tensor", None)
         return [("tensor", fake)] if is_deferred_fake(fake) else []
@@ -33,7 +33,7 @@ def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"expected a tensor or an nn.Module, got {type(obj).__name__}")
     seen = set()
     found = []
-    for kinds in (("parameter",), ("buffer", "attribute")):
+    for kinds in (("parameter",), ("buffer", "attribute", "beyond")):
         for name, t, kind, _ in module_tensors(obj):
             if kind not in kinds:
                 continue

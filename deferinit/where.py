@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from deferinit.fake.calls import library_call  # noqa: F401 (re-exported)
+
 from .record import current_record
 
 
@@ -61,22 +63,33 @@ _CALL_IMPL = frozenset({torch.nn.Module._call_impl.__code__, torch.nn.Module._wr
 _LAZY_INIT = torch.nn.modules.lazy.LazyModuleMixin._infer_parameters.__code__
 
 
+# The Python frames of torch.jit.trace (its C++ tracer hides its state from
+# Python dispatch, so the stack tells).
+_TRACER = frozenset(
+    getattr(torch.jit._trace, name).__code__
+    for name in ("trace", "_trace_impl", "trace_module") if hasattr(torch.jit._trace, name)
+)
+
+
 def training() -> tuple:
-    """``(module, optimizer, backward)``: the outermost ``nn.Module`` whose
+    """``(module, optimizer, backward, tracer)``: the outermost ``nn.Module`` whose
     forward is running, the ``torch.optim`` optimizer whose ``step`` is
-    running, and whether autograd's engine is running a backward pass
-    (None/None/False where nothing is).
+    running, whether autograd's engine is running a backward pass, and
+    whether ``torch.jit.trace`` is (None/None/False/False where nothing is).
 
     Walks the Python stack; meant for operations on deferred tensors outside
     ``deferred_init``, never for the recording hot path.
     """
     backward = torch._C._current_graph_task_id() != -1
     module = optimizer = None
+    tracer = False
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code is _LAZY_INIT:
-            return None, None, backward
+            return None, None, backward, False
+        if code in _TRACER:
+            tracer = True
         if code in _CALL_IMPL or code.co_name == "forward":
             owner = frame.f_locals.get("self")
             if isinstance(owner, torch.nn.Module):
@@ -86,7 +99,7 @@ def training() -> tuple:
             if isinstance(owner, torch.optim.Optimizer):
                 optimizer = owner
         frame = frame.f_back
-    return module, optimizer, backward
+    return module, optimizer, backward, tracer
 
 
 def tensor_name(module: torch.nn.Module, t: torch.Tensor) -> str | None:
@@ -96,3 +109,4 @@ def tensor_name(module: torch.nn.Module, t: torch.Tensor) -> str | None:
         return None
     owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
     return f"{name} ({type(owner).__name__})"
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import constants, handlers, metacache
+from .calls import library_call
 from .bypass import no_python_dispatch
 from .checks import check_arguments
 from .device import CPU, META, common_device, kind_of, normalize
@@ -159,6 +160,15 @@ def run(func, args, kwargs, info: OpInfo | None = None, convert_real=None) -> Ca
     return Call(info, flat, spec, out, device, mutated, fresh, out_flat)
 
 
+def _materialize_first() -> str:
+    """The fix for a library call that met fakes of a deferred model."""
+    call = library_call()
+    if call is None:
+        return ""
+    function = call.split(" ")[0].rpartition(".")[2]
+    return f" (fakes from a deferred model: materialize it first, materialize_module(model), then call {function})"
+
+
 def _options_device(tensor_devices):
     """The device an explicit ``device=cpu`` means when C++ wrote it.
 
@@ -287,14 +297,16 @@ class FakeHandler:
             raise FakeIntoRealError(
                 f"{func} would write fake data into a real tensor{self.where()}. Make the "
                 "destination fake too (create it inside the fake context), or compute on "
-                "real tensors."
+                f"real tensors{_materialize_first()}."
             )
         with no_python_dispatch():
             return func(*args, **kwargs)
 
     def where(self) -> str:
-        """Where in the user's code the current operation runs, for messages."""
-        return ""
+        """Where in the user's code the current operation runs, for messages:
+        the library call it runs in, if any (see :mod:`deferinit.fake.calls`)."""
+        call = library_call()
+        return f" (inside {call})" if call is not None else ""
 
     def lift(self, real: torch.Tensor, device, like=None) -> FakeTensor:
         """A fake standing for real tensor ``real`` moved to ``device`` (made for ``like``)."""
@@ -308,6 +320,18 @@ class FakeHandler:
 
     def requires_grad_changed(self, fake) -> None:
         """After ``requires_grad_`` on ``fake`` (the recorder notes it)."""
+
+    def share_memory(self, fake) -> None:
+        """``fake.share_memory_()``: a plain fake has no memory to share."""
+        raise FakeDataAccessError(
+            "share_memory_()", describe(fake),
+            f"A fake tensor has no memory to share{self.where()}. Share real tensors "
+            "(a deferred model's tensors are shared once materialized).",
+        )
+
+    def is_shared(self, fake) -> bool:
+        """``fake.is_shared()``: a plain fake's memory is never shared."""
+        return False
 
     def set_data(self, fake, new) -> None:
         """``fake.data = new``: the fake takes ``new``'s geometry and shadow."""

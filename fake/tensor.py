@@ -257,7 +257,8 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
-        error = FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        where = handlers.for_args((self,), None).where()
+        error = FakeDataAccessError("data_ptr()", describe(self), f"A fake tensor has no memory, hence no address{where}.")
         raise handlers.explain_data_access(error, self)
 
     def untyped_storage(self):
@@ -269,6 +270,18 @@ class FakeTensor(torch.Tensor):
 
     def _typed_storage(self):
         raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
+
+    # -- shared memory (model.share_memory()) ---------------------------------
+
+    def share_memory_(self):
+        # Eagerly the storage moves to shared memory; a deferred tensor's
+        # storage is marked so that its real memory is shared once
+        # materialized (the handler decides; plain fakes have none to share).
+        handlers.for_args((self,), None).share_memory(self)
+        return self
+
+    def is_shared(self) -> bool:
+        return handlers.for_args((self,), None).is_shared(self)
 
     def __dlpack__(self, *args, **kwargs):
         raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")

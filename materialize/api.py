@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from deferinit.errors import AutogradMaterializationError
+from deferinit.fake.tensor import is_fake
 from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
@@ -68,9 +68,10 @@ def materialize_module(
     """Materialize every deferred tensor ``module`` and its children hold.
 
     Parameters, buffers, and plain tensor attributes (``self.freqs = ...``),
-    also inside the lists, tuples, dicts and sets they hold (see
-    :func:`deferinit.holdings.holdings`); deferred tensors that other objects
-    hold are left, with a warning naming them.  Tensors computed from
+    also inside the lists, tuples, dicts and sets they hold, and the tensors
+    other objects the modules hold keep (a hook's map of offloaded weights;
+    see :func:`deferinit.holdings.holdings`): nothing reachable from the
+    module is left deferred.  Tensors computed from
     parameters with autograd keep eager's graph: ``backward()`` reaches the
     parameters.  All tensors are computed first (one replay, intermediates freed at their
     last use) and swapped in last: if anything fails, the module is left
@@ -99,33 +100,55 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    targets, left, beyond = _module_targets(module, buffers_only, check_fn)
+    targets, left, counted = _module_targets(module, buffers_only, check_fn)
+    slots = _script_slots(module)
     if targets:
-        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
-            _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
-    if beyond:
-        names = ", ".join(beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
-        warnings.warn(
-            f"materialize_module left deferred {len(beyond)} tensor(s) that objects other than "
-            f"modules and plain containers hold: {names}. Make them buffers or plain attributes, "
-            "or materialize them with materialize_tensor.",
-            stacklevel=2,
-        )
+        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
+                                   counted=counted):
+            _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left,
+                         counted=counted)
+    for script_module, name, tensor in slots:
+        if not is_fake(tensor):
+            # The Python object is real now; TorchScript's C++ slot still
+            # holds the tensor that was swapped out of it.
+            script_module._c.setattr(name, tensor)
     return module
+
+
+def _script_slots(module) -> list:
+    """``(script module, name, deferred tensor)`` for the parameters and buffers
+    that TorchScript modules in ``module`` (``torch.jit.script``) hold in C++
+    slots: swapping a real tensor into the Python object leaves the slot on
+    the fake, so the slot is pointed at the object again afterwards."""
+    found = []
+    for _, sub in module.named_modules(remove_duplicate=False):
+        if isinstance(sub, torch.jit.ScriptModule):
+            for name, t in (*sub._parameters.items(), *sub._buffers.items()):
+                if t is not None and _fake_of(t) is t:
+                    found.append((sub, name, t))
+    return found
 
 
 def _module_targets(module, buffers_only, check_fn):
     """``(name, fake)`` for every deferred tensor the module holds (ties once);
-    ``{id(fake): name}`` of the parameters ``buffers_only`` leaves; the names
-    of deferred tensors held beyond the walk (other objects' attributes)."""
-    targets, left, beyond = [], {}, []
+    ``{id(fake): name}`` of the parameters ``buffers_only`` leaves; the fakes
+    progress counts: all but those other objects keep on the memory of a
+    tensor the module holds (FSDP2's padded shards: aliases, not more work)."""
+    targets, left = [], {}
     seen = set()
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        if check_fn is not None and not check_fn(sub):
-            continue
-        held = holdings(sub, prefix)
-        ordered = [x for x in held.tensors if x[2] == "parameter"] + [x for x in held.tensors if x[2] != "parameter"]
-        for name, t, kind in ordered:
+    beyond = set()
+    walked: set = set()  # objects beyond the modules, walked once for the tree
+    held = [
+        (sub, holdings(sub, prefix, walked)) for prefix, sub in module.named_modules(remove_duplicate=False)
+        if check_fn is None or check_fn(sub)
+    ]
+    # The modules' own tensors first, then what other objects keep (which may
+    # be the same tensors: FSDP2's state keeps the parameters it shards).
+    lists = [[x for x in h.tensors if x[2] == "parameter"] + [x for x in h.tensors if x[2] != "parameter"]
+             for _, h in held]
+    lists += [[(name, t, "beyond") for name, t in h.beyond] for _, h in held]
+    for tensors in lists:
+        for name, t, kind in tensors:
             fake = _fake_of(t)
             if fake is None or id(fake) in seen:
                 continue
@@ -134,14 +157,14 @@ def _module_targets(module, buffers_only, check_fn):
                 continue
             seen.add(id(fake))
             targets.append((name, fake))
-        for name, t in held.beyond:
-            fake = _fake_of(t)
-            if fake is not None and id(fake) not in seen:
-                beyond.append(name)
-    return targets, left, beyond
+            if kind == "beyond":
+                beyond.add(id(fake))
+    own = {id(f._storage) for _, f in targets if id(f) not in beyond}
+    counted = [f for _, f in targets if id(f) not in beyond or id(f._storage) not in own]
+    return targets, left, counted
 
 
-def _materialize(targets, *, device, inference, progress, kept_deferred=None) -> None:
+def _materialize(targets, *, device, inference, progress, kept_deferred=None, counted=None) -> None:
     binder = None
     if not inference and any(needs_graph(fake) or real_root_of(fake) for _, fake in targets):
         # Tensors computed from parameters with autograd: replay their graph
@@ -160,17 +183,23 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
     labels = [name for name, _ in targets]
     fakes = [fake for _, fake in targets]
     fresh = fresh_reads(targets, reads) if binder is not None else []
-    shown = start_progress(progress, fakes)
+    if counted is None:
+        counted = fakes
+    shown = start_progress(progress, counted)
+    counted = {id(f) for f in counted}
     try:
         replay = Replay(reads + [r for _, r in fresh], device=device, inference=inference,
                         labels=labels + [labels[i] for i, _ in fresh], autograd=binder)
         if shown is not None:
-            replay.progress = shown.replay_callback(replay, fakes)
+            replay.progress = shown.replay_callback(replay, [f if id(f) in counted else None for f in fakes])
         reals = with_fresh_graphs(replay.run(), fresh, len(reads))
         records = records_of(fakes)
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]
         pairs = _dressed(targets, reals, inference, binder, replay.retaken)
+        for storage, (_, real) in zip(storages, pairs):
+            if storage.shared:  # share_memory_() while deferred (model.share_memory())
+                real.share_memory_()
         swap_all(pairs)
     except BaseException:
         if shown is not None:

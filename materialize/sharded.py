@@ -103,12 +103,13 @@ def fsdp_held_fakes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def materialize_sharded(module, targets, *, device=None, inference=False, progress=None) -> bool:
+def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, counted=None) -> bool:
     """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one storage at a time.
 
     Called by :func:`deferinit.materialize.materialize_module`; returns False, doing
     nothing, when ``module`` holds no DTensor (the caller then replays
-    everything at once).  Fakes FSDP2 holds for the targets are added.
+    everything at once).  Fakes FSDP2 holds for the targets are added;
+    progress counts ``counted`` (default: the targets' fakes).
     Every result is computed before anything is swapped in: on failure the
     module is left as it was.
 
@@ -120,7 +121,8 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     """
     if not _has_dtensors(module):
         return False
-    asked = [f for _, f in targets]  # progress counts these, not the fakes FSDP adds
+    # Progress counts these (``counted``: the caller's choice), not the fakes FSDP adds.
+    asked = [f for _, f in targets] if counted is None else list(counted)
     units = groups(module, targets)
     targets = [t for group in units for t in group]
     streams: dict = {}  # the latest replay stream of each record stream

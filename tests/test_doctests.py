@@ -15,6 +15,7 @@ MODULES = [
     "deferinit.fake.device",
     "deferinit.fake.function",
     "deferinit.fake.patch",
+    "deferinit.fake.calls",
     "deferinit.fake.subclass",
     "deferinit.fake.storage_set",
     "deferinit.fake.assign",
