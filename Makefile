@@ -27,6 +27,7 @@ $(VENV)/.base: pyproject.toml $(VENV)/.torch
 $(VENV)/.test: pyproject.toml $(VENV)/.torch
 	$(PIP) install --quiet --disable-pip-version-check -e '.[test]'
 	$(MAKE) --no-print-directory $(VENV)/.titan
+	$(MAKE) --no-print-directory $(VENV)/.lightning
 	touch $@ $(VENV)/.base
 
 # torchtitan requires a torch of its own choosing (and datasets, wandb, ...):
@@ -37,6 +38,16 @@ TITAN_PINS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser 
 $(VENV)/.titan: | $(VENV)/.torch
 	$(PIP) install --quiet --disable-pip-version-check --no-deps $(TITAN_PINS) \
 		|| echo "warning: torchtitan not installed; its tests will skip"
+	touch $@
+
+# Lightning Fabric and litgpt (user modes around a deferral, issue 25): pip
+# would replace the pinned torch and downgrade huggingface_hub under
+# transformers, and their imports need only these; without dependencies.
+# Optional: their tests skip with a reason if this step fails.
+LIGHTNING_PINS := lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0 litgpt==0.5.13 jsonargparse==4.41.0
+$(VENV)/.lightning: | $(VENV)/.torch
+	$(PIP) install --quiet --disable-pip-version-check --no-deps $(LIGHTNING_PINS) \
+		|| echo "warning: lightning/litgpt not installed; their tests will skip"
 	touch $@
 
 demo: $(VENV)/.base
