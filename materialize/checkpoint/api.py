@@ -7,6 +7,7 @@ import torch
 from collections.abc import Mapping
 
 from deferinit.errors import CheckpointError
+from deferinit.exclusive import exclusive
 
 from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
@@ -58,6 +59,11 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
         >>> materialize_module(m).weight.sum().item()
         6.0
     """
+    with exclusive():  # deferred or real is decided once no other thread is materializing
+        return _load(module, source, strict=strict, prefix=prefix, rename=rename)
+
+
+def _load(module, source, *, strict, prefix, rename) -> LoadResult:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
     entries, what = open_source(source)
