@@ -248,3 +248,16 @@ def test_unforced_mix_of_requests():
         assert not errors, errors[0]
         materialize_module(m)
         _check(eager, None, m)
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="needs torch.distributed with gloo",
+)
+def test_sharded_materialization_from_several_threads():
+    """FSDP2 on two ranks; on each, a block, the whole model and one DTensor
+    parameter materialized from three threads at once, each first in turn."""
+    import thread_workers
+    from multiproc import run_ranks
+
+    assert run_ranks(thread_workers.case_fsdp2_threads, 2, 6, timeout=240) == [6, 6]
