@@ -24,7 +24,7 @@ from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
 from .exclusive import exclusive
 from .fastpath import FAST
-from .outside import computes_plain
+from .outside import computes_plain, plain_data
 from .realdraws import draw_real
 from .plain import copied, dispatches_itself, holds_values
 from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
@@ -300,16 +300,12 @@ class Recorder(FakeHandler):
         if not isinstance(new, FakeTensor):
             new = self._wrap_external(new, fake._record or current_record())
         elif new._record is None:
-            source = (
-                "was computed inside fake_mode, which does not record"
-                if in_fake_mode() or current_record() is None
-                else "is a fake from fake_mode"
-            )
+            if current_record() is None or in_fake_mode():
+                raise MixedFakeError(plain_data(new, fake))  # says where such a fake comes from
             raise MixedFakeError(
                 f"tensor.data = {describe(new)} on a deferred tensor {describe(fake)}: the new data "
-                f"{source}, so its values are unknown and the deferred tensor would lose its recipe. "
-                "Do this outside fake_mode (it is then recorded), create the new data inside "
-                "deferred_init, or assign a real tensor."
+                "is a fake from fake_mode, so its values are unknown and the deferred tensor would lose its "
+                "recipe. Create the new data inside deferred_init, or assign a real tensor."
             )
         record = new._record
         node = None
