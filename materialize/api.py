@@ -40,7 +40,8 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
     every reference to it (module attributes, an optimizer, a tied module)
     now sees real memory with exactly the values eager construction would
     have produced.  A real or plain fake tensor is returned as it is, and a
-    second call is a no-op.  ``device=`` materializes on another device than
+    second call is a no-op (also one that waited for another thread's
+    materialization of the same tensor).  ``device=`` materializes on another device than
     the recorded one; ``inference=True`` gives inference tensors.
 
     Example::

@@ -45,7 +45,8 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     tensors are loaded within the call, all or nothing: every read succeeds
     before anything is written.  An inference tensor is refused outside
     ``torch.inference_mode()``, as ``load_state_dict`` refuses it.  On an
-    error, no tensor of the module changed.
+    error, no tensor of the module changed.  A call while another thread
+    materializes the module waits for it, then loads into what is real.
 
     Example::
 
