@@ -31,6 +31,7 @@ MODULES = [
     "deferinit.view",
     "deferinit.patches",
     "deferinit.pending",
+    "deferinit.exclusive",
     "deferinit.plan",
     "deferinit.holdings",
     "deferinit.regions",
