@@ -112,7 +112,7 @@ def _fsdp1_fix(module) -> str | None:
 def plain_data(new, fake) -> str:
     """The message for ``fake.data = new`` outside ``deferred_init``, ``new`` a fake
     of unknown values: where such a fake comes from, and what to do."""
-    module, optimizer, backward = training()
+    module, optimizer, backward, _ = training()
     module = _compiled_from(module)
     head = f"tensor.data = {describe(new)} on a deferred tensor {describe(fake)}: the new data "
     tail = "so its values are unknown and the deferred tensor would lose its recipe."
