@@ -32,10 +32,21 @@ INTERNAL_ATTRS = frozenset(
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 
-_TYPED_STORAGE_HINT = (
-    "Typed storages are deprecated and read data; untyped_storage() gives the size of a "
-    "fake's memory (nbytes()) without reading it."
-)
+_TYPED = "A typed storage is the tensor's memory (its bytes and address), and a fake has none."
+
+
+def _no_memory(fake, what: str) -> str:
+    """The hint for an access to a fake's memory (its address, a typed storage):
+    what libraries want it for, and what to do, for a deferred fake (materialize)
+    or a plain one (which has no values to give)."""
+    if fake._record is not None:  # deferred: its values exist once materialized
+        fix = ("Materialize it first (materialize_module(model), or materialize_tensor(t)), then save or read it")
+    else:
+        fix = "A fake from fake_mode has no values to save: build the tensor for real to save it"
+    return (
+        f"{what} Saving a tensor (safetensors' save_file, save_pretrained, torch.save) needs its bytes. {fix}. "
+        "The size of its memory is untyped_storage().nbytes(), which a fake answers."
+    )
 
 
 class FakeTensor(torch.Tensor):
@@ -228,7 +239,7 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
-        error = FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        error = FakeDataAccessError("data_ptr()", describe(self), _no_memory(self, "A fake tensor has no memory, hence no address."))
         raise handlers.explain_data_access(error, self)
 
     def untyped_storage(self):
@@ -236,10 +247,10 @@ class FakeTensor(torch.Tensor):
         return storage_of(self.__dict__["_shadow"])
 
     def storage(self):
-        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _no_memory(self, _TYPED)), self)
 
     def _typed_storage(self):
-        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _no_memory(self, _TYPED)), self)
 
     def __dlpack__(self, *args, **kwargs):
         raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")

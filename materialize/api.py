@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from deferinit.errors import AutogradMaterializationError
+from deferinit.exclusive import exclusive
 from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
@@ -39,7 +40,8 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
     every reference to it (module attributes, an optimizer, a tied module)
     now sees real memory with exactly the values eager construction would
     have produced.  A real or plain fake tensor is returned as it is, and a
-    second call is a no-op.  ``device=`` materializes on another device than
+    second call is a no-op (also one that waited for another thread's
+    materialization of the same tensor).  ``device=`` materializes on another device than
     the recorded one; ``inference=True`` gives inference tensors.
 
     Example::
@@ -49,10 +51,11 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
         >>> materialize_tensor(w) is w, is_deferred(w)
         (True, False)
     """
-    fake = _fake_of(tensor)
-    if fake is None:
-        return tensor
-    _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+    with exclusive():  # another thread may be materializing it: decided once it is done
+        fake = _fake_of(tensor)
+        if fake is None:
+            return tensor
+        _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
     return tensor
 
 
@@ -89,6 +92,9 @@ def materialize_module(
     stream ended (its last draw replayed), the generator is left where eager
     construction would have left it, provided nothing drew from it since
     ``deferred_init`` (with ``device=``: the target device's generator).
+    Threads may ask at once (this module, a submodule, one of its tensors,
+    ``load_checkpoint``): one call materializes, the others wait for it and
+    find done what it made real (:mod:`deferinit.exclusive`).
 
     Example::
 
@@ -99,10 +105,13 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    targets, left, beyond = _module_targets(module, buffers_only, check_fn)
-    if targets:
-        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
-            _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
+    with exclusive():
+        # The targets are what is still deferred once no other thread is
+        # materializing: tensors another call made real meanwhile are done.
+        targets, left, beyond = _module_targets(module, buffers_only, check_fn)
+        if targets:
+            if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
+                _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
     if beyond:
         names = ", ".join(beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
         warnings.warn(

@@ -32,6 +32,7 @@ MODULES = [
     "deferinit.view",
     "deferinit.patches",
     "deferinit.pending",
+    "deferinit.exclusive",
     "deferinit.plan",
     "deferinit.holdings",
     "deferinit.regions",

@@ -7,6 +7,7 @@ import torch
 from collections.abc import Mapping
 
 from deferinit.errors import CheckpointError
+from deferinit.exclusive import exclusive
 
 from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
@@ -44,7 +45,8 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     tensors are loaded within the call, all or nothing: every read succeeds
     before anything is written.  An inference tensor is refused outside
     ``torch.inference_mode()``, as ``load_state_dict`` refuses it.  On an
-    error, no tensor of the module changed.
+    error, no tensor of the module changed.  A call while another thread
+    materializes the module waits for it, then loads into what is real.
 
     Example::
 
@@ -58,6 +60,11 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
         >>> materialize_module(m).weight.sum().item()
         6.0
     """
+    with exclusive():  # deferred or real is decided once no other thread is materializing
+        return _load(module, source, strict=strict, prefix=prefix, rename=rename)
+
+
+def _load(module, source, *, strict, prefix, rename) -> LoadResult:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
     entries, what = open_source(source)
