@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
 from .copying import deepcopy_tensor
+from .cudnn import cudnn_as_on_cpu_builds
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .reads import READS, read, reads_memory
 from .device import BACKENDLESS
@@ -299,7 +300,7 @@ def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = Fal
     """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
     function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
     dispatch_mode = FakeDispatchMode(handler, context, yields)
-    with accepting_fakes(), function_mode, dispatch_mode:
+    with accepting_fakes(), cudnn_as_on_cpu_builds(fake_cuda), function_mode, dispatch_mode:
         function_mode.partner_depth = _dispatch_depth()
         yield
 

@@ -49,3 +49,19 @@ def _restores_global_state():
     before = _global_state()
     yield
     assert _global_state() == before, "a test left modes, patches, default dtype or grad mode changed"
+
+
+# Files whose tests mostly spawn processes (gloo ranks, the command line, the
+# docs' shell transcripts): about half the suite's time. CI runs the whole
+# suite on the default torch and, on a second build (a CUDA build without a
+# GPU), everything but these: `-m "not spawns and not slow"` (see .ci/run).
+SPAWNS = {
+    "test_checkpoint_dcp_distributed.py", "test_checkpoint_distributed.py", "test_distributed.py",
+    "test_cli.py", "test_cli_config.py", "test_doc_shell.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if os.path.basename(str(item.fspath)) in SPAWNS:
+            item.add_marker(pytest.mark.spawns)

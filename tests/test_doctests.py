@@ -26,6 +26,7 @@ MODULES = [
     "deferinit.fake.storage",
     "deferinit.fake.constants",
     "deferinit.fake.metacache",
+    "deferinit.fake.cudnn",
     "deferinit",
     "deferinit.session",
     "deferinit.view",

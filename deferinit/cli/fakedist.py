@@ -16,20 +16,28 @@ import torch
 
 from .errors import UsageError
 
+
 class _Stream(torch.cpu.Stream):
-    """A CUDA stream that orders nothing (CPU's)."""
+    """A CUDA stream that orders nothing (CPU's), with the identity FSDP2 hands
+    its stream ops (torch 2.15's ``fsdp::record_grad_output_stream``)."""
+
+    stream_id = 0
+    device_index = 0
+    device_type = 1  # c10::DeviceType::CUDA
 
 
 class _Event(torch.cpu.Event):
     """A CUDA event that waits for nothing (CPU's)."""
 
 
+_CURRENT = _Stream()
+
 # What FSDP2 calls on torch.cuda (through DeviceMesh's device handle), as new
 # objects: torch.compile's tables must not see one function under two names.
 _CUDA_RUNTIME = {
     "Stream": _Stream,
     "Event": _Event,
-    "current_stream": lambda device=None: torch.cpu.current_stream(),
+    "current_stream": lambda device=None: _CURRENT,
     "stream": lambda stream: torch.cpu.stream(stream),
     "current_device": lambda: 0,
 }
