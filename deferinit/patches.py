@@ -17,7 +17,7 @@ import functools
 
 import torch.nn.init as _init
 
-from deferinit.fake.patch import SharedPatch
+from deferinit.fake.patch import SharedPatch, shared_patch  # noqa: F401 (SharedPatch: re-exported)
 
 from .recorder import RECORDER, is_deferred_fake
 
@@ -50,7 +50,7 @@ def _diversions(module) -> dict:
 
 
 #: The trunc_normal_ diversion, held while any thread records.
-TRUNC_NORMAL = SharedPatch(lambda: _init, _diversions)
+TRUNC_NORMAL = shared_patch("trunc normal", "torch.nn.init", lambda: _init, _diversions)
 
 
 def installed():

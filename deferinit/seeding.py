@@ -53,7 +53,7 @@ from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.device import normalize
 from deferinit.fake.tensor import FakeTensor
 
-from .patches import SharedPatch
+from .patches import shared_patch
 from .record import CHAINS, FOREIGN, Record, current_record
 from .recorder import RECORDER
 from .rng import (
@@ -344,14 +344,14 @@ def _cuda_random():
 
 
 FUNCTIONS = (
-    SharedPatch(lambda: torch.random, _replacements(_RANDOM)),
-    SharedPatch(lambda: torch, _replacements(_RANDOM)),
-    SharedPatch(_cuda_random, _replacements(_CUDA)),
-    SharedPatch(lambda: torch.cuda, _replacements(_CUDA)),
+    shared_patch("generator api", "torch.random", lambda: torch.random, _replacements(_RANDOM)),
+    shared_patch("generator api", "torch", lambda: torch, _replacements(_RANDOM)),
+    shared_patch("generator api", "torch.cuda.random", _cuda_random, _replacements(_CUDA)),
+    shared_patch("generator api", "torch.cuda", lambda: torch.cuda, _replacements(_CUDA)),
 )
 MODULE_CLASSES = tuple(
-    SharedPatch(module, lambda m: {"__class__": _DivertedModule})
-    for module in (lambda: torch, lambda: torch._C, lambda: torch.random)
+    shared_patch("module classes", name, module, lambda m: {"__class__": _DivertedModule})
+    for name, module in (("torch", lambda: torch), ("torch._C", lambda: torch._C), ("torch.random", lambda: torch.random))
 )
 
 
@@ -360,21 +360,22 @@ class installed:
 
     def __enter__(self):
         for patch in FUNCTIONS + MODULE_CLASSES:
-            patch.acquire()
+            patch.acquire(self)
 
     def __exit__(self, *exc):
         for patch in reversed(FUNCTIONS + MODULE_CLASSES):
-            patch.release()
+            patch.release(self)
 
 
 def hold_while_alive(record: Record) -> None:
     """Keep the functions diverted while ``record`` may be continued by the next one,
     so that a ``torch.manual_seed`` in between is noticed (see :data:`CHAINS`)."""
+    holder = object()
+    weakref.finalize(record, _release_functions, holder)
     for patch in FUNCTIONS:
-        patch.acquire()
-    weakref.finalize(record, _release_functions)
+        patch.acquire(holder)
 
 
-def _release_functions() -> None:
+def _release_functions(holder) -> None:
     for patch in reversed(FUNCTIONS):
-        patch.release()
+        patch.release(holder)

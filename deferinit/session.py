@@ -64,6 +64,8 @@ def deferred():
         >>> is_deferred(m), m[0].weight.device
         (True, device(type='cuda', index=0))
     """
+    # Where the block is, for its label in messages and graphs only (nothing
+    # behaves differently by it): a context manager is not told its caller.
     caller = sys._getframe(1)
     where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
     return _recording(f"deferred() at {where}", f"with deferred() at {where}")

@@ -140,7 +140,9 @@ def _prologue():
     have replaced (transformers swaps ``torch.nn.init``'s functions for
     guards while it initializes weights); the body meant is the caller's.
     Frames: this one, ``__torch_function__``, ``handle_torch_function``, the
-    prologue.
+    prologue.  No protocol serves: ``handle_torch_function`` hands modes the
+    object the prologue named, and only the prologue's frame holds the code
+    that is running.
     """
     frame = sys._getframe(2)
     return frame.f_back if frame.f_code is _HANDLE else None
