@@ -4,7 +4,10 @@ Deferral draws nothing, so after ``deferred_init`` every generator is where
 the constructor left it, its draws apart.  Once a materialization knows the
 state a stream ended in, that stream's generator is moved there, provided
 nothing moved it since deferral: it still holds the state recording left it
-in, or the state the record it continues ended in.  A stream's end is known
+in, or the state the record it continues ended in, and no seed or state was
+set since (not even one equal to the state it holds: eagerly that wipes out
+the draws; a state read after the deferral and set back, ``fork_rng``'s exit,
+is no reseed).  A stream's end is known
 when its last draw was replayed, or when every draw after the last one
 replayed is *dead*: a temporary (what it drew is held by no tensor any
 more: a random temporary of the constructor, a value replaced by ``.data =``)
@@ -22,8 +25,9 @@ from __future__ import annotations
 
 from deferinit.errors import MaterializationError
 from deferinit.plan import DeviceMap
-from deferinit.record import FOREIGN
+from deferinit.record import FOREIGN, LINEAGE
 from deferinit.rng import generator_of, get_state, same_state
+from deferinit.seeding import release_if_moot
 from deferinit.streams import replay_streams
 
 from .replay import Replay
@@ -70,8 +74,25 @@ def hand_over_generators(streams, device=None, records=()) -> None:
             if start is not None:
                 left.append(start)
         now = get_state(gen)
-        if any(same_state(now, state) for state in left):
+        if any(same_state(now, state) for state in left) and _not_reseeded(rs):
             FOREIGN.set_state(gen, end)  # not a threads' recording's own reseed
+    for record in {id(r): r for r in (*records, *_records_of(streams))}.values():
+        release_if_moot(record)
+
+
+def _records_of(streams):
+    for rs in streams:
+        for s in rs.sources:
+            record = s.record() if s.record is not None else None
+            if record is not None:
+                yield record
+
+
+def _not_reseeded(rs) -> bool:
+    """Whether the generator's eager state still follows from the states the
+    records of ``rs`` left it in: no seed or state was set since (even one
+    equal to the state it holds; see :class:`deferinit.record.Lineage`)."""
+    return all(LINEAGE.descends(rs.key, record.lineage.get(rs.key)) for record in _records_of([rs]))
 
 
 def _finish(rs, device):
