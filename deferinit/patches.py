@@ -54,5 +54,6 @@ TRUNC_NORMAL = shared_patch("trunc normal", "torch.nn.init", lambda: _init, _div
 
 
 def installed():
-    """Install the diversions for the duration of the block (nesting and threads safe)."""
+    """Install the diversions for the duration of the block (nesting and threads safe;
+    a recording holds them under its entry instead, see deferinit.session)."""
     return TRUNC_NORMAL.held()

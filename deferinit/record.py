@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from deferinit.fake.guard import register
+
 from .graph import event_seq, peek_seq
 from .rng import (
     CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_seed, fingerprint, generator_of,
@@ -37,7 +39,7 @@ class Record:
 
     __slots__ = (
         "id", "label", "base", "streams", "entry", "entry_seed", "exit", "parents", "open", "markers",
-        "seeds", "lineage", "__weakref__",
+        "seeds", "lineage", "closed", "__weakref__",
     )
 
     def __init__(self, label: str = ""):
@@ -64,6 +66,7 @@ class Record:
         # Default generator key -> the LINEAGE node naming its eager state
         # right after this record's construction (set on close).
         self.lineage: dict = {}
+        self.closed = False  # close() ran to its end
 
     # -- streams ------------------------------------------------------------------
 
@@ -174,8 +177,10 @@ class Record:
     def _mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
         self._check_mark(stream, index, gen)
         tag = new_tag()
-        torch._C.Generator.manual_seed(gen, tag)
+        # Known before the generator carries it: an interrupt in between leaves
+        # a tag close() still recognises and gives back.
         self.markers[tag] = (stream, index)
+        torch._C.Generator.manual_seed(gen, tag)
 
     def _check_mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
         """What user code did to explicit generator ``gen`` since draw ``index - 1``
@@ -191,7 +196,13 @@ class Record:
             stream.base = state
 
     def close(self) -> None:
-        """Recording stopped: unmark the explicit generators, remember the real states."""
+        """Recording stopped: unmark the explicit generators, remember the real states.
+
+        Idempotent, and safe to run again after an interrupt stopped it: an
+        explicit generator given back its state is unmarked first and then
+        forgotten, so a second run finds it as user code left it."""
+        if self.closed:
+            return
         self.open = False
         for key, stream in self.streams.items():
             gen = stream.generator
@@ -201,6 +212,7 @@ class Record:
             end = len(stream.nodes)
             if mark is not None and mark[0] is stream:
                 set_state(gen, stream.base)
+                stream.base = None  # given back (a second close leaves it alone)
                 if mark[1] != end - 1:
                     stream.event(end, SAME, mark[1])  # an older state put back after the last draw
             else:
@@ -223,6 +235,7 @@ class Record:
         for key, stream in self.streams.items():
             if type(key) is not GeneratorKey and stream.nodes:
                 CHAINS.register(self, key, self.exit.get(key))
+        self.closed = True
 
     def _settle(self, key) -> None:
         """Put the default generator of ``key`` in the last state user code set while
@@ -477,6 +490,8 @@ class _Local(threading.local):
 
 
 _local = _Local()
+# An interrupted call leaves this thread's record stack as it found it.
+register(lambda: len(_local.records), lambda n: _local.records.__delitem__(slice(n, None)))
 
 
 def current_record() -> Record | None:

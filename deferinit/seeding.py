@@ -57,7 +57,7 @@ from .patches import shared_patch
 from .record import CHAINS, FOREIGN, LINEAGE, Record, current_record
 from .recorder import RECORDER
 from .rng import (
-    CPU, CPU_GENERATOR, SAME, SEED, SET, default_generator, get_state, register_stand_in, same_state,
+    CPU, CPU_GENERATOR, SAME, SEED, SET, register_stand_in,
     scratch_generator, seed_of_state, seeded_state,
 )
 
@@ -416,16 +416,11 @@ MODULE_CLASSES = tuple(
 )
 
 
-class installed:
-    """Divert the generator API while this thread records (nesting and threads safe)."""
-
-    def __enter__(self):
-        for patch in FUNCTIONS + MODULE_CLASSES:
-            patch.acquire(self)
-
-    def __exit__(self, *exc):
-        for patch in reversed(FUNCTIONS + MODULE_CLASSES):
-            patch.release(self)
+def hold(holder) -> None:
+    """Divert the generator API while this thread records, held as ``holder``
+    (released by the recording's :class:`~deferinit.fake.guard.Entry`)."""
+    for patch in FUNCTIONS + MODULE_CLASSES:
+        patch.acquire(holder)
 
 
 def hold_while_alive(record: Record) -> None:
@@ -434,9 +429,11 @@ def hold_while_alive(record: Record) -> None:
     a seed or a state set in between is noticed (see :data:`LINEAGE`,
     :data:`CHAINS`): until that is moot (:func:`release_if_moot`) or the
     record dies."""
+    if record in _holders:
+        return
     holder = _Holder()
-    _holders[record] = holder
     weakref.finalize(record, _release_functions, holder)
+    _holders[record] = holder
     for patch in FUNCTIONS:
         patch.acquire(holder)
 
@@ -455,10 +452,12 @@ def _release_functions(holder) -> None:
 
 def release_if_moot(record: Record) -> None:
     """Stop diverting the functions for ``record`` once none of its default
-    generators can be handed over or continued any more: each was moved from
-    the state the record left (handed over, drawn from) or reseeded since,
-    and no state read since the record closed is alive (set back, it would
-    put the record's state in force again).
+    generators can be handed over or continued any more: each was reseeded
+    since, and no state read since the record closed is alive (set back, it
+    would put the record's state in force again).  A generator merely moved
+    (handed over, drawn from) does not make it moot: a later seed may give
+    it the very bytes the record left, and only the diversion tells that
+    seed from the record's state (CHAINS would continue the record).
 
     Example::
 
@@ -474,14 +473,8 @@ def release_if_moot(record: Record) -> None:
     if holder is None:
         return
     for key, name in record.lineage.items():
-        if LINEAGE.revivable(key, name):
-            return
-        if not LINEAGE.descends(key, name):
-            continue
-        gen = default_generator(key)
-        exit_state = record.exit.get(key)
-        if gen is None or exit_state is None or same_state(get_state(gen), exit_state):
-            return  # still pending there
+        if LINEAGE.revivable(key, name) or LINEAGE.descends(key, name):
+            return  # may still be handed over or continued there
     _holders.pop(record, None)
     _release_functions(holder)
 

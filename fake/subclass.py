@@ -26,6 +26,7 @@ import threading
 import torch
 from torch.nn.parameter import Parameter, UninitializedTensorMixin
 
+from .guard import register
 from .patch import shared_patch
 from .tensor import FakeTensor
 
@@ -129,11 +130,23 @@ MAKE_SUBCLASS = shared_patch("make subclass", "torch.Tensor", lambda: torch.Tens
 
 
 @contextlib.contextmanager
-def accepting_fakes():
-    """``torch.Tensor._make_subclass`` takes fakes in this thread for the block."""
-    with MAKE_SUBCLASS.held():
-        _local.depth = getattr(_local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _local.depth -= 1
+def accepting_fakes(holder):
+    """``torch.Tensor._make_subclass`` takes fakes in this thread for the block,
+    held as ``holder`` (a :class:`~deferinit.fake.guard.Entry`, which puts the
+    depth back and releases the hold if the block's exit is interrupted)."""
+    depth = getattr(_local, "depth", 0)
+    try:
+        MAKE_SUBCLASS.acquire(holder)
+        _local.depth = depth + 1
+        yield
+    finally:
+        try: _leave(holder, depth)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: _leave(holder, depth)  # noqa: E701
+
+
+def _leave(holder, depth) -> None:
+    _local.depth = depth
+    MAKE_SUBCLASS.release(holder)
+
+
+register(lambda: getattr(_local, "depth", 0), lambda depth: setattr(_local, "depth", depth))

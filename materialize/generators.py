@@ -23,14 +23,70 @@ target device is the one eager construction there would have advanced.
 
 from __future__ import annotations
 
+import traceback
+
 from deferinit.errors import MaterializationError
 from deferinit.plan import DeviceMap
 from deferinit.record import FOREIGN, LINEAGE
-from deferinit.rng import generator_of, get_state, same_state
+from deferinit.rng import generator_of, get_state, initialized_generators, same_state
 from deferinit.seeding import release_if_moot
 from deferinit.streams import replay_streams
 
 from .replay import Replay
+
+
+class HandOver:
+    """One materialization's commit and generator hand-over, all or nothing.
+
+    The work (compute, then swap in) fills ``streams`` and ``records`` and sets
+    ``committed`` last, undoing its own swaps if it does not get there.  Until
+    then, any exception puts the default generators back in the states they
+    had (a replay borrows them for operators without a ``generator``
+    argument); after it, the hand-over runs to its end even if an interrupt
+    arrives in it (it is idempotent): the module is then entirely done,
+    generators included.
+    """
+
+    def __init__(self):
+        self.saved = [(gen, get_state(gen)) for _, gen in initialized_generators()]
+        self.committed = False
+        self.streams: list = []
+        self.records: list = []
+
+    def restore(self) -> None:
+        for gen, state in self.saved:
+            if not same_state(get_state(gen), state):
+                FOREIGN.set_state(gen, state)
+
+    def run(self, device) -> None:
+        hand_over_generators(self.streams, device, self.records)
+
+
+def committed_then_handed_over(work, device) -> None:
+    """Run ``work(hand)`` (see :class:`HandOver`), then hand the generators over.
+
+    Example::
+
+        >>> def work(hand):
+        ...     hand.committed = True     # nothing to swap: a hand-over of no streams
+        >>> committed_then_handed_over(work, None)
+    """
+    hand = HandOver()
+    try:
+        work(hand)
+    except BaseException as e:
+        if not hand.committed:
+            hand.restore()
+            raise
+        # Interrupted right after the commit: the swapped-out fakes held by the
+        # finished frames go first, as on the ordinary path (see api._materialize).
+        traceback.clear_frames(e.__traceback__.tb_next)
+        hand.run(device)
+        raise
+    try: hand.run(device)  # noqa: E701 - one line: see deferinit.fake.guard
+    except BaseException:
+        hand.run(device)  # finish what the interrupt stopped (idempotent)
+        raise
 
 
 def records_of(fakes) -> list:

@@ -2,8 +2,8 @@
 
 What is compared: the attributes of ``torch``, ``torch._C``, ``torch.random``,
 ``torch.nn.init``, ``torch.Tensor``, ``torch._C.TensorBase``,
-``torch.nn.Parameter``, ``torch.cuda`` and ``torch.cuda.random`` (by
-identity), the class of every ``torch`` module object, the torch-function and
+``torch.nn.Parameter``, ``torch.cuda``, ``torch.cuda.random`` and
+``torch.utils._python_dispatch`` (its dispatch-mode flags) (by identity), the class of every ``torch`` module object, the torch-function and
 dispatch mode stacks, the default device and dtype, grad and inference mode.
 Attributes that appear because a submodule was imported, and the lazy state
 torch keeps for itself (CUDA's queued calls), are not differences.
@@ -26,6 +26,8 @@ OWNERS = {
     "torch.nn.Parameter": lambda: torch.nn.Parameter,
     "torch.cuda": lambda: torch.cuda,
     "torch.cuda.random": lambda: sys.modules["torch.cuda.random"],
+    # the flags PyTorch keeps beside the dispatch mode stack (TorchDispatchMode.__enter__)
+    "torch.utils._python_dispatch": lambda: sys.modules["torch.utils._python_dispatch"],
 }
 
 # torch's own lazy state, which torch itself changes as it goes.
@@ -97,8 +99,19 @@ def differences(before: dict, after: dict) -> list[tuple]:
 _GONE = object()
 
 
-def unlisted(found: list[tuple]) -> list[tuple]:
-    """The differences that deferinit.fake.replaced.TABLE does not list."""
+# What TorchDispatchMode.__enter__ notes beside the stack: changed while our modes are active.
+MODE_FLAGS = {
+    ("torch.utils._python_dispatch", name) for name in (
+        "_is_in_torch_dispatch_mode", "_is_in_non_infra_torch_dispatch_mode",
+        "_is_in_any_mode_without_ignore_compile_internals",
+    )
+}
+
+
+def unlisted(found: list[tuple], modes_active: bool = False) -> list[tuple]:
+    """The differences that deferinit.fake.replaced.TABLE does not list (with
+    ``modes_active``, PyTorch's dispatch-mode flags may differ too: looked at
+    inside a recording or a fake_mode block)."""
     from deferinit.fake.replaced import RANDOM_OPS, TABLE
     from deferinit.pending import random_ops
 
@@ -112,6 +125,8 @@ def unlisted(found: list[tuple]) -> list[tuple]:
                 continue
         if len(item) != 2:
             out.append(item)
+            continue
+        if modes_active and item in MODE_FLAGS:
             continue
         owner, name = item
         ok = False

@@ -181,18 +181,22 @@ def test_fake_cuda_deferral_materialized_on_cpu(between):
 
 
 def test_the_generator_api_is_given_back_once_nothing_is_pending():
-    """The diversion that notices reseeds lasts while draws wait for their hand-over."""
+    """The diversion that notices reseeds lasts while the record's draws may still
+    be handed over or continued: until a reseed, or the record's death."""
     from deferinit.seeding import FUNCTIONS
 
     users = FUNCTIONS[0].users
     m = deferred_init(Net)
     assert FUNCTIONS[0].users == users + 1
-    materialize_module(m)
-    assert FUNCTIONS[0].users == users  # handed over: moot
-    m = deferred_init(Net)
+    materialize_tensor(m.a.weight)
+    assert FUNCTIONS[0].users == users + 1  # the record lives: a seed giving its bytes must still be seen
     torch.manual_seed(3)
-    assert FUNCTIONS[0].users == users  # reseeded: moot
+    assert FUNCTIONS[0].users == users  # reseeded: moot, though the record lives
     materialize_module(m)
+    m = deferred_init(Net)
+    assert FUNCTIONS[0].users == users + 1
+    materialize_module(m)
+    assert FUNCTIONS[0].users == users  # all materialized: the record died
 
 
 # -- transformers' set_seed and a Trainer ------------------------------------------------
