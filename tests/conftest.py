@@ -12,13 +12,14 @@ for path in (os.path.dirname(HERE), HERE):  # the packages, and tests/helpers.py
         sys.path.insert(0, path)
 
 
-# The Fake layer patches torch.Tensor (.data, set_) once, when
-# the first fake of the process is made (fake/__init__.py): make one before
-# any test, so that every test finds, and must leave, that steady state.
-# (Subprocess tests start from a process without fakes.)
+# The Fake layer patches torch.Tensor (.data, set_) while any fake is alive
+# (fake/alive.py): one fake kept for the whole session gives every test that
+# steady state to find and leave, whatever fakes a test keeps or drops.
+# tests/test_guest.py checks, in fresh processes, that torch is left alone
+# before the first fake and after the last.
 from deferinit import fake  # noqa: E402
 
-fake.FakeTensor(torch.empty(0, device="meta"), "cpu")
+_SESSION_FAKE = fake.FakeTensor(torch.empty(0, device="meta"), "cpu")
 
 
 def _global_state():

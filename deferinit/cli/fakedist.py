@@ -14,6 +14,8 @@ import contextlib
 
 import torch
 
+from deferinit.fake.patch import shared_patch
+
 from .errors import UsageError
 
 
@@ -50,14 +52,12 @@ def cuda_runtime_on_cpu():
     if torch.cuda.is_available():
         yield
         return
-    saved = {name: getattr(torch.cuda, name) for name in _CUDA_RUNTIME}
-    for name, value in _CUDA_RUNTIME.items():
-        setattr(torch.cuda, name, value)
-    try:
+    with _CUDA_ON_CPU.held():
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
+
+
+# Listed in deferinit.fake.replaced ("cli cuda runtime").
+_CUDA_ON_CPU = shared_patch("cli cuda runtime", "torch.cuda", lambda: torch.cuda, lambda _: dict(_CUDA_RUNTIME))
 
 
 @contextlib.contextmanager
