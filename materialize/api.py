@@ -9,6 +9,7 @@ import torch
 from deferinit.errors import AutogradMaterializationError
 from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry
+from deferinit.fake.locking import locked
 from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
@@ -52,17 +53,21 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
         >>> materialize_tensor(w) is w, is_deferred(w)
         (True, False)
     """
-    with exclusive():  # another thread may be materializing it: decided once it is done
-        fake = _fake_of(tensor)
-        if fake is None:
-            return tensor
-        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-        try:
-            _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
-        except BaseException:
-            entry.restore()
-            raise
+    # Another thread may be materializing it: decided once it is done.
+    locked(exclusive(), _materialize_tensor, tensor, device, inference)
     return tensor
+
+
+def _materialize_tensor(tensor, device, inference) -> None:
+    fake = _fake_of(tensor)
+    if fake is None:
+        return
+    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+    try:
+        _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+    except BaseException:
+        entry.restore()
+        raise
 
 
 def materialize_module(
@@ -111,18 +116,7 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    with exclusive():
-        # The targets are what is still deferred once no other thread is
-        # materializing: tensors another call made real meanwhile are done.
-        targets, left, beyond = _module_targets(module, buffers_only, check_fn)
-        if targets:
-            entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-            try:
-                if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
-                    _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
-            except BaseException:
-                entry.restore()
-                raise
+    beyond = locked(exclusive(), _materialize_module, module, buffers_only, check_fn, device, inference, progress)
     if beyond:
         names = ", ".join(beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
         warnings.warn(
@@ -132,6 +126,21 @@ def materialize_module(
             stacklevel=2,
         )
     return module
+
+
+def _materialize_module(module, buffers_only, check_fn, device, inference, progress) -> list:
+    # The targets are what is still deferred once no other thread is
+    # materializing: tensors another call made real meanwhile are done.
+    targets, left, beyond = _module_targets(module, buffers_only, check_fn)
+    if targets:
+        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+        try:
+            if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
+                _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
+        except BaseException:
+            entry.restore()
+            raise
+    return beyond
 
 
 def _module_targets(module, buffers_only, check_fn):
