@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from deferinit.fake.compiling import not_inlined
+from deferinit.fake.locking import locked
 from deferinit.fake.patch import shared_patch
 from deferinit.fake.state import in_fake_mode
 from deferinit.fake.tensor import FakeTensor
@@ -90,24 +91,34 @@ def watch(record) -> None:
     }
     if not devices:
         return
-    with _lock:
-        if record in _watched:
-            return
-        # Held before any thread can find (and retire) the record: the count pairs.
-        hold = _watched[record] = _Hold(_epoch(), devices)
-        for patch in PATCHES:
-            patch.acquire(hold)
+    locked(_lock, _watch, record, devices)
+
+
+def _watch(record, devices) -> None:
+    if record in _watched:
+        return
+    # Held before any thread can find (and retire) the record: the count pairs.
+    # The release is registered before the hold, so that an interrupt between
+    # the two leaves nothing held for good (a release of nothing is a no-op).
+    hold = _watched[record] = _Hold(_epoch(), devices)
     weakref.finalize(record, hold.release)
+    for patch in PATCHES:
+        patch.acquire(hold)
 
 
 def _retire(record, hold) -> None:
     """Stop watching ``record``, which can no longer warn, unless a draw found
     it pending and has not warned yet (that draw retires it)."""
-    with _lock:
-        if hold.busy or _watched.get(record) is not hold:
-            return
-        del _watched[record]
-    hold.release()
+    if locked(_lock, _unwatch, record, hold, lambda: not hold.busy):
+        hold.release()
+
+
+def _unwatch(record, hold, ready) -> bool:
+    """Stop watching ``record`` if ``hold`` is its and ``ready()``; whether it did."""
+    if _watched.get(record) is not hold or not ready():
+        return False
+    del _watched[record]
+    return True
 
 
 def _epoch():
@@ -125,8 +136,7 @@ def _pending(device: torch.device):
     since it closed (the epoch moved), or the generator no longer holds the
     state it left (a materialization handed the generator over, or a draw
     moved it; torch.set_rng_state back to that state moves the epoch too)."""
-    with _lock:
-        entries = [(r, h) for r, h in _watched.items() if device in h.devices]
+    entries = locked(_lock, lambda: [(r, h) for r, h in _watched.items() if device in h.devices])
     if not entries:
         return None
     epoch = _epoch()
@@ -141,17 +151,25 @@ def _pending(device: torch.device):
                 return None
             now = fingerprint(get_state(gen))
         if now == fingerprint(record.exit[device]):
-            with _lock:
-                if _watched.get(record) is hold:
-                    hold.busy += 1  # until _finish: the draw is under way
-                    return record, hold
+            if locked(_lock, _busy, record, hold):
+                return record, hold
             continue
-        with _lock:
-            hold.devices.discard(device)
-            done = not hold.devices
-        if done:
+        if locked(_lock, _left, hold, device):
             _retire(record, hold)
     return None
+
+
+def _busy(record, hold) -> bool:
+    if _watched.get(record) is not hold:
+        return False
+    hold.busy += 1  # until _finish: the draw is under way
+    return True
+
+
+def _left(hold, device) -> bool:
+    """``device``'s draws of ``hold``'s record can no longer be pending; whether none can."""
+    hold.devices.discard(device)
+    return not hold.devices
 
 
 def _device_of(args, kwargs) -> torch.device:
@@ -212,16 +230,17 @@ def _pytorch_fake(args, kwargs) -> bool:
 def _finish(record, hold, drew: bool) -> bool:
     """A draw found ``record`` pending is over: True if it drew and is the first
     to (it warns, and the record is retired)."""
-    with _lock:
-        hold.busy -= 1
-        # Not drawn (eager raised): retired only if another thread found the
-        # generator moved meanwhile and left the record to this call.
-        retire = _watched.get(record) is hold and (drew or not hold.devices)
-        if retire:
-            del _watched[record]
+    # Not drawn (eager raised): retired only if another thread found the
+    # generator moved meanwhile and left the record to this call.
+    retire = locked(_lock, _done, record, hold, lambda: drew or not hold.devices)
     if retire:
         hold.release()
     return retire and drew
+
+
+def _done(record, hold, ready) -> bool:
+    hold.busy -= 1
+    return _unwatch(record, hold, ready)
 
 
 def _warn(name: str, record, hold, device) -> None:

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from deferinit.fake.guard import register
+from deferinit.fake.locking import holding, locked
 
 from .graph import event_seq, peek_seq
 from .rng import (
@@ -286,21 +287,20 @@ class Chains:
         self._last: dict = {}
         self._epoch = 0
 
+    @holding("_lock")
     def bump(self) -> None:
         """User code set a generator for real (torch.manual_seed, set_rng_state...)."""
-        with self._lock:
-            self._epoch += 1
+        self._epoch += 1
 
+    @holding("_lock")
     def register(self, record: Record, key, state: torch.Tensor | None) -> None:
         """``record`` drew from ``key``'s generator, which it left in ``state`` (None:
         a generator this process cannot read, fake CUDA)."""
         print_ = fingerprint(state) if state is not None else None
-        with self._lock:
-            self._last[key] = (weakref.ref(record), print_, self._epoch)
+        self._last[key] = (weakref.ref(record), print_, self._epoch)
 
     def find(self, key, state: torch.Tensor | None) -> Stream | None:
-        with self._lock:
-            entry = self._last.get(key)
+        entry = locked(self._lock, self._last.get, key)
         if entry is None:
             return None
         ref, print_, _ = entry
@@ -352,9 +352,9 @@ class Lineage:
         self._parent[name] = parent
         return name
 
+    @holding("_lock")
     def current(self, key) -> int:
-        with self._lock:
-            return self._now(key)
+        return self._now(key)
 
     def _now(self, key) -> int:
         name = self._current.get(key)
@@ -363,72 +363,76 @@ class Lineage:
             self._current[key] = name
         return name
 
+    @holding("_lock")
     def advance(self, key) -> int:
         """A record drew from ``key``'s generator: the eager state's new name."""
-        with self._lock:
-            name = self._current[key] = self._new(self._now(key))
-            return name
+        name = self._current[key] = self._new(self._now(key))
+        return name
 
+    @holding("_lock")
     def reseed(self, keys=None, kind: str | None = None) -> None:
         """User code seeded or set generators: ``keys``, every one of device type
         ``kind``, or (both None) every default generator."""
-        with self._lock:
-            name = self._new(None)
-            if keys is None and kind is None:
-                self._base = name
-                self._current = {k: name for k in self._current}
-            elif keys is None:
-                self._kind[kind] = name
-                for k in self._current:
-                    if k.type == kind:
-                        self._current[k] = name
-            else:
-                for k in keys:
+        name = self._new(None)
+        if keys is None and kind is None:
+            self._base = name
+            self._current = {k: name for k in self._current}
+        elif keys is None:
+            self._kind[kind] = name
+            for k in self._current:
+                if k.type == kind:
                     self._current[k] = name
+        else:
+            for k in keys:
+                self._current[k] = name
 
+    @holding("_lock")
     def read(self, key, state) -> None:
         """``state`` was read from ``key``'s generator (``get_rng_state``)."""
         if not isinstance(state, torch.Tensor):
             return
-        with self._lock:
-            token = id(state)
-            self._read[token] = (weakref.ref(state, lambda _, t=token: self._read.pop(t, None)), key, self._now(key))
+        token = id(state)
+        self._read[token] = (weakref.ref(state, lambda _, t=token: self._read.pop(t, None)), key, self._now(key))
 
     def restored(self, key, state) -> None:
         """``key``'s generator was set to ``state``: back to the eager state it was
         read in, if it was read from that generator, else a reseed."""
-        with self._lock:
-            found = self._read.get(id(state)) if isinstance(state, torch.Tensor) else None
-            if found is not None and found[0]() is state and found[1] == key:
-                self._current[key] = found[2]
-                return
-        self.reseed(keys=(key,))
+        if not self._back(key, state):
+            self.reseed(keys=(key,))
 
+    @holding("_lock")
+    def _back(self, key, state) -> bool:
+        found = self._read.get(id(state)) if isinstance(state, torch.Tensor) else None
+        if found is not None and found[0]() is state and found[1] == key:
+            self._current[key] = found[2]
+            return True
+        return False
+
+    @holding("_lock")
     def revivable(self, key, name) -> bool:
         """Whether a state read from ``key``'s generator under ``name`` or a name
         following it is still alive: set back, it would put that state in force."""
-        with self._lock:
-            for ref, k, read in list(self._read.values()):
-                if k != key or ref() is None:
-                    continue
-                while read is not None:
-                    if read == name:
-                        return True
-                    read = self._parent.get(read)
-            return False
+        for ref, k, read in list(self._read.values()):
+            if k != key or ref() is None:
+                continue
+            while read is not None:
+                if read == name:
+                    return True
+                read = self._parent.get(read)
+        return False
 
+    @holding("_lock")
     def descends(self, key, name) -> bool:
         """Whether the eager state of ``key``'s generator is ``name`` or follows it by
         records' draws only (True for None: nothing known to compare)."""
         if name is None:
             return True
-        with self._lock:
-            now = self._now(key)
-            while now is not None:
-                if now == name:
-                    return True
-                now = self._parent.get(now)
-            return False
+        now = self._now(key)
+        while now is not None:
+            if now == name:
+                return True
+            now = self._parent.get(now)
+        return False
 
 
 LINEAGE = Lineage()
@@ -455,17 +459,17 @@ class Foreign:
         self._log: dict = {}
         self.epoch = 0
 
+    @holding("_lock")
     def setting(self, original, *args, **kwargs):
         """``original(*args, **kwargs)``, a call of another thread that sets generators."""
-        with self._lock:
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.epoch += 1
-                for key, gen in initialized_generators():
-                    log = self._log.setdefault(key, [])
-                    log.append((self.epoch, current_seed(gen)))
-                    del log[: -self._KEEP]
+        try:
+            return original(*args, **kwargs)
+        finally:
+            self.epoch += 1
+            for key, gen in initialized_generators():
+                log = self._log.setdefault(key, [])
+                log.append((self.epoch, current_seed(gen)))
+                del log[: -self._KEEP]
 
     def set_state(self, gen: torch.Generator, state: torch.Tensor) -> None:
         """Put default generator ``gen`` in ``state`` for deferinit's own ends (a
@@ -475,10 +479,10 @@ class Foreign:
         the seed that comes with ``state`` for its own doing."""
         self.setting(set_state, gen, state)
 
+    @holding("_lock")
     def explains(self, key, seed: int, since: int) -> bool:
         """Whether another thread gave ``key``'s generator ``seed`` after epoch ``since``."""
-        with self._lock:
-            return any(epoch > since and s == seed for epoch, s in self._log.get(key, ()))
+        return any(epoch > since and s == seed for epoch, s in self._log.get(key, ()))
 
 
 FOREIGN = Foreign()

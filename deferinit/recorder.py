@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from deferinit.fake import handlers
+from deferinit.fake.locking import locked
 from deferinit.fake.flat import flatten, flatten_output, unflatten, unflatten_output
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, views_real, writes_real
@@ -60,10 +61,12 @@ class Recorder(FakeHandler):
         # these tensors real while this call waited leaves an operation on
         # real tensors: eager's, as if it had come after.
         deferred = [a for a in flatten(args, kwargs)[0] if isinstance(a, FakeTensor)]
-        with exclusive():
-            if any(not isinstance(a, FakeTensor) for a in deferred):
-                return func(*args, **kwargs)
-            return self._dispatch(func, args, kwargs, None, True)
+        return locked(exclusive(), self._after, func, args, kwargs, deferred)
+
+    def _after(self, func, args, kwargs, deferred):
+        if any(not isinstance(a, FakeTensor) for a in deferred):
+            return func(*args, **kwargs)
+        return self._dispatch(func, args, kwargs, None, True)
 
     def _dispatch(self, func, args, kwargs, context, after):
         if func in DATA_OPS:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 import weakref
 
+from .locking import locked
+
 
 #: The patches every live fake holds (fake/assign.py adds torch.Tensor's .data and set_).
 HELD: list = []
@@ -61,20 +63,23 @@ def life() -> Life:
 
 
 def _new() -> Life:
+    return locked(_lock, _made)
+
+
+def _made() -> Life:
     global _current
-    with _lock:
-        token = _current() if _current is not None else None
-        if token is not None:
-            return token
-        token = Life()
-        # The holder is a name of its own (the token cannot hold itself),
-        # released when the token dies; a release before the hold is a no-op.
-        holder = object()
-        weakref.finalize(token, _release, holder)
-        for patch in HELD:
-            patch.acquire(holder)
-        _current = weakref.ref(token)
+    token = _current() if _current is not None else None
+    if token is not None:
         return token
+    token = Life()
+    # The holder is a name of its own (the token cannot hold itself),
+    # released when the token dies; a release before the hold is a no-op.
+    holder = object()
+    weakref.finalize(token, _release, holder)
+    for patch in HELD:
+        patch.acquire(holder)
+    _current = weakref.ref(token)
+    return token
 
 
 def _release(holder) -> None:

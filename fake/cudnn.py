@@ -21,6 +21,8 @@ import threading
 
 import torch
 
+from .locking import locked
+
 _lock = threading.Lock()
 _holders = 0
 _saved: bool | None = None
@@ -45,20 +47,27 @@ def cudnn_as_on_cpu_builds(fake_cuda: bool):
     if not fake_cuda or not _applies():
         yield
         return
-    global _holders, _saved
     held = False
     try:
-        with _lock:
-            if _holders == 0:
-                _saved = torch._C._get_cudnn_enabled()
-                torch._C._set_cudnn_enabled(False)
-            _holders += 1
-            held = True
+        held = locked(_lock, _take)
         yield
     finally:
         if held:
-            with _lock:
-                _holders -= 1
-                if _holders == 0:
-                    torch._C._set_cudnn_enabled(_saved)
-                    _saved = None
+            locked(_lock, _give_back)
+
+
+def _take() -> bool:
+    global _holders, _saved
+    if _holders == 0:
+        _saved = torch._C._get_cudnn_enabled()
+        torch._C._set_cudnn_enabled(False)
+    _holders += 1
+    return True
+
+
+def _give_back() -> None:
+    global _holders, _saved
+    _holders -= 1
+    if _holders == 0:
+        torch._C._set_cudnn_enabled(_saved)
+        _saved = None

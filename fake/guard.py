@@ -63,6 +63,31 @@ def register(save, restore) -> None:
     _REGISTERED.append((save, restore))
 
 
+_included = torch._C._dispatch_tls_local_include_set
+_excluded = torch._C._dispatch_tls_local_exclude_set
+_torch_function_state = torch._C._get_torch_function_state
+_set_torch_function_state = torch._C._set_torch_function_state
+# The keys no_python_dispatch's _DisableTorchDispatch excludes; only these are
+# put back (the others belong to C++ guards of the frames below, which restore
+# their own on the way out).
+_K = torch._C.DispatchKey
+_KEYS = tuple(getattr(_K, n) for n in ("Python", "PythonTLSSnapshot", "PreDispatch") if hasattr(_K, n))
+
+
+def _put_keys_back(included, excluded) -> None:
+    """Make the thread's local dispatch keys of :data:`_KEYS` ``included`` and ``excluded`` again."""
+    for now, wanted, set_ in (
+        (_included(), included, torch._C._dispatch_tls_set_dispatch_key_included),
+        (_excluded(), excluded, torch._C._dispatch_tls_set_dispatch_key_excluded),
+    ):
+        if now.raw_repr() == wanted.raw_repr():
+            continue
+        for key in _KEYS:
+            has = wanted.has(key)
+            if now.has(key) != has:
+                set_(key, has)
+
+
 def _stack(length, at) -> list:
     return [at(i) for i in range(length())]
 
@@ -79,7 +104,7 @@ class Entry:
         True
     """
 
-    __slots__ = ("functions", "dispatch", "flags", "grad", "dtype", "saved", "__weakref__")
+    __slots__ = ("functions", "dispatch", "flags", "grad", "dtype", "keys", "tf_state", "saved", "__weakref__")
 
     #: Classes whose instances on a mode stack are the project's (set by fake/mode.py).
     OURS: tuple = ()
@@ -90,6 +115,8 @@ class Entry:
         self.flags = tuple(getattr(_pd, name, None) for name in _DISPATCH_FLAGS)
         self.grad = torch.is_grad_enabled()
         self.dtype = torch.get_default_dtype()
+        self.keys = (_included(), _excluded())
+        self.tf_state = _torch_function_state()
         self.saved = [save() for save, _ in _REGISTERED]
 
     def restore(self) -> None:
@@ -128,6 +155,12 @@ class Entry:
                 torch._C._set_grad_enabled(self.grad)
             if torch.get_default_dtype() != self.dtype:
                 torch.set_default_dtype(self.dtype)
+            # What C++ guards entered and never exited leave (no_python_dispatch's
+            # _DisableTorchDispatch and DisableTorchFunction, interrupted between
+            # their enter and exit).
+            if _torch_function_state() != self.tf_state:
+                _set_torch_function_state(self.tf_state)
+            _put_keys_back(*self.keys)
         for (_, restore), saved in zip(_REGISTERED, self.saved):
             restore(saved)
         for patch in all_patches():

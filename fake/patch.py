@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .locking import locked
 from .replaced import entry
 
 _MISSING = object()
@@ -69,28 +70,32 @@ class SharedPatch:
         """Hold the patch as ``holder`` (a new token if None); returns the holder, to
         give to :meth:`release`.  Holding twice under one name holds once."""
         holder = object() if holder is None else holder
-        with self._lock:
-            self._holders.add(holder)
-            self.settle()
+        locked(self._lock, self._change, self._holders.add, holder)
         return holder
 
     def release(self, holder) -> None:
         """Stop holding as ``holder`` (nothing if it does not hold)."""
-        with self._lock:
-            self._holders.discard(holder)
-            self.settle()
+        locked(self._lock, self._change, self._holders.discard, holder)
+
+    def _change(self, change, holder) -> None:
+        # Settled whatever line an interrupt arrives at (a finalizer's release,
+        # whose interrupt Python swallows, included): see deferinit.fake.guard.
+        try: change(holder); self._settle()  # noqa: E701,E702
+        finally: self._settle()  # noqa: E701
 
     def settle(self) -> None:
         """Put the replacements in place if anyone holds them, the originals back if
         nobody does; finishes what an interrupted call left half done."""
-        with self._lock:
-            if self._holders:
-                if not self._installed:
-                    self._install()
-                    self._installed = True
-            elif self._installed or self._saved:
-                self._uninstall()
-                self._installed = False
+        locked(self._lock, self._settle)
+
+    def _settle(self) -> None:
+        if self._holders:
+            if not self._installed:
+                self._install()
+                self._installed = True
+        elif self._installed or self._saved:
+            self._uninstall()
+            self._installed = False
 
     def _install(self) -> None:
         module = self._module()
@@ -161,8 +166,7 @@ def shared_patch(key: str, owner: str, module, replacements) -> SharedPatch:
         True
     """
     patch = SharedPatch(key, owner, module, replacements)
-    with _made_lock:
-        _ALL.append(patch)
+    locked(_made_lock, _ALL.append, patch)
     return patch
 
 

@@ -8,6 +8,7 @@ import torch
 from deferinit.errors import AutogradMaterializationError
 from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry
+from deferinit.fake.locking import locked
 from deferinit.fake.tensor import is_fake
 from deferinit.holdings import holdings
 from deferinit.plan import read_of
@@ -52,17 +53,21 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
         >>> materialize_tensor(w) is w, is_deferred(w)
         (True, False)
     """
-    with exclusive():  # another thread may be materializing it: decided once it is done
-        fake = _fake_of(tensor)
-        if fake is None:
-            return tensor
-        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-        try:
-            _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
-        except BaseException:
-            entry.restore()
-            raise
+    # Another thread may be materializing it: decided once it is done.
+    locked(exclusive(), _materialize_tensor, tensor, device, inference)
     return tensor
+
+
+def _materialize_tensor(tensor, device, inference) -> None:
+    fake = _fake_of(tensor)
+    if fake is None:
+        return
+    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+    try:
+        _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+    except BaseException:
+        entry.restore()
+        raise
 
 
 def materialize_module(
@@ -112,27 +117,30 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    with exclusive():
-        # The targets are what is still deferred once no other thread is
-        # materializing: tensors another call made real meanwhile are done.
-        targets, left, counted = _module_targets(module, buffers_only, check_fn)
-        slots = _script_slots(module)
-        if targets:
-            entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-            try:
-                if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
-                                           counted=counted):
-                    _materialize(targets, device=device, inference=inference, progress=progress,
-                                 kept_deferred=left, counted=counted)
-            except BaseException:
-                entry.restore()
-                raise
-        for script_module, name, tensor in slots:
-            if not is_fake(tensor):
-                # The Python object is real now; TorchScript's C++ slot still
-                # holds the tensor that was swapped out of it.
-                script_module._c.setattr(name, tensor)
+    locked(exclusive(), _materialize_module, module, buffers_only, check_fn, device, inference, progress)
     return module
+
+
+def _materialize_module(module, buffers_only, check_fn, device, inference, progress) -> None:
+    # The targets are what is still deferred once no other thread is
+    # materializing: tensors another call made real meanwhile are done.
+    targets, left, counted = _module_targets(module, buffers_only, check_fn)
+    slots = _script_slots(module)
+    if targets:
+        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+        try:
+            if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
+                                       counted=counted):
+                _materialize(targets, device=device, inference=inference, progress=progress,
+                             kept_deferred=left, counted=counted)
+        except BaseException:
+            entry.restore()
+            raise
+    for script_module, name, tensor in slots:
+        if not is_fake(tensor):
+            # The Python object is real now; TorchScript's C++ slot still
+            # holds the tensor that was swapped out of it.
+            script_module._c.setattr(name, tensor)
 
 
 def _script_slots(module) -> list:

@@ -16,6 +16,7 @@ from deferinit.errors import DataDependentError
 from deferinit.exclusive import exclusive
 from deferinit.where import recording
 from deferinit.fake.device import exists
+from deferinit.fake.locking import locked
 from deferinit.fake.tensor import describe
 
 from deferinit.plan import DeviceMap
@@ -37,8 +38,8 @@ def evaluate(fakes, operation: str):
         >>> w.shape, is_deferred(m.weight)
         (torch.Size([3, 2]), True)
     """
-    with exclusive():  # the graph it reads may be a finished record another thread materializes
-        return _evaluate(fakes, operation)
+    # The graph it reads may be a finished record another thread materializes.
+    return locked(exclusive(), _evaluate, fakes, operation)
 
 
 def _evaluate(fakes, operation: str):
@@ -93,12 +94,8 @@ def generator_state(stream, k: int):
         >>> _ = torch.manual_seed(0); _ = torch.rand(3); torch.equal(state, torch.get_rng_state())
         True
     """
-    with exclusive():  # the stream may continue a finished record's, whose states replays cache
-        rs = replay_streams([stream], DeviceMap())[id(stream)]
-        draws = list(rs.needs(k))
-        if draws:
-            Replay([], extra=draws, labels=["the generator state"]).run()
-        state = rs.state_before(k)
+    # The stream may continue a finished record's, whose states replays cache.
+    state = locked(exclusive(), _state_before, stream, k)
     if state is None:
         raise DataDependentError(
             f"the state of the {stream.device} generator is needed while recording "
@@ -106,3 +103,11 @@ def generator_state(stream, k: int):
             "Record on a device that exists here, or avoid reading generator states in the constructor."
         )
     return state
+
+
+def _state_before(stream, k):
+    rs = replay_streams([stream], DeviceMap())[id(stream)]
+    draws = list(rs.needs(k))
+    if draws:
+        Replay([], extra=draws, labels=["the generator state"]).run()
+    return rs.state_before(k)

@@ -307,8 +307,44 @@ def _trial(scenario, run):
     assert not torch_snapshot.unlisted(found), f"{scenario.name}: unlisted changes {torch_snapshot.unlisted(found)}"
     for patch in all_patches():
         assert patch.installed() == bool(patch.users), f"{scenario.name}: {patch.key} on {patch.owner} half done"
+    held = _locks_held()
+    assert not held, f"{scenario.name}: left held: {held}"
     scenario.check(state, interrupted)
     return interrupted
+
+
+def _project_locks() -> dict:
+    """Every lock of the project, by name."""
+    from deferinit import exclusive, pending
+    from deferinit.fake import alive, cudnn, patch
+    from deferinit.record import CHAINS, FOREIGN, LINEAGE
+
+    locks = {"exclusive": exclusive._LOCK, "pending draws": pending._lock, "fakes alive": alive._lock,
+             "patches made": patch._made_lock, "cudnn": cudnn._lock,
+             "CHAINS": CHAINS._lock, "LINEAGE": LINEAGE._lock, "FOREIGN": FOREIGN._lock}
+    for p in all_patches():
+        locks[f"patch {p.key} on {p.owner}"] = p._lock
+    return locks
+
+
+def _locks_held() -> list:
+    """The project's locks another thread cannot take now (a lock left held hangs
+    the next thread that asks: tests/test_threads.py after the trials)."""
+    import threading
+
+    held = []
+
+    def probe():
+        for name, lock in _project_locks().items():
+            if lock.acquire(blocking=False):
+                lock.release()
+            else:
+                held.append(name)
+
+    t = threading.Thread(target=probe)
+    t.start()
+    t.join()
+    return held
 
 
 def _without_inert_modes(found):
@@ -363,8 +399,9 @@ def test_an_interrupt_at_any_line(scenario):
     ks = range(1, n + 1) if LINE_TRIALS is None else sorted({1 + (i * (n - 1)) // (LINE_TRIALS - 1) for i in range(LINE_TRIALS)})
     interrupted = sum(_trial(scenario, lambda state, k=k: _run_traced(scenario, state, k)[0]) for k in ks)
     # Every trial ended whole (checked in _trial); nearly all were interrupted (a
-    # run may take a line or two fewer than the one counted: finalizers, caches).
-    assert interrupted >= len(ks) - 2, (interrupted, len(ks))
+    # run may take a line or two fewer than the one counted: caches; and an
+    # interrupt at a line of a finalizer the collector runs is swallowed by Python).
+    assert interrupted >= 0.9 * len(ks), (interrupted, len(ks))
 
 
 @trials

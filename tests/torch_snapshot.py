@@ -4,7 +4,9 @@ What is compared: the attributes of ``torch``, ``torch._C``, ``torch.random``,
 ``torch.nn.init``, ``torch.Tensor``, ``torch._C.TensorBase``,
 ``torch.nn.Parameter``, ``torch.cuda``, ``torch.cuda.random`` and
 ``torch.utils._python_dispatch`` (its dispatch-mode flags) (by identity), the class of every ``torch`` module object, the torch-function and
-dispatch mode stacks, the default device and dtype, grad and inference mode.
+dispatch mode stacks, the default device and dtype, grad, forward grad and
+inference mode, the torch-function state and the thread's local dispatch keys
+(what C++ guards such as ``_DisableTorchDispatch`` change).
 Attributes that appear because a submodule was imported, and the lazy state
 torch keeps for itself (CUDA's queued calls), are not differences.
 """
@@ -62,6 +64,10 @@ def take() -> dict:
         "default dtype": torch.get_default_dtype(),
         "grad": torch.is_grad_enabled(),
         "inference": torch.is_inference_mode_enabled(),
+        "forward grad": torch._C._is_fwd_grad_enabled(),
+        "torch function state": str(torch._C._get_torch_function_state()),
+        # what a guard such as torch._C._DisableTorchDispatch leaves in the thread's dispatch keys
+        "dispatch keys": (str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())),
     }
 
 
@@ -90,7 +96,8 @@ def differences(before: dict, after: dict) -> list[tuple]:
             found.append((name, "__class__"))
         elif name not in before["classes"] and cls.__module__.startswith("deferinit"):
             found.append((name, "__class__"))
-    for key in ("function modes", "dispatch modes", "default device", "default dtype", "grad", "inference"):
+    for key in ("function modes", "dispatch modes", "default device", "default dtype", "grad", "inference",
+                "forward grad", "torch function state", "dispatch keys"):
         if before[key] != after[key]:
             found.append((key, before[key], after[key]))
     return found
@@ -123,6 +130,8 @@ def unlisted(found: list[tuple], modes_active: bool = False) -> list[tuple]:
             before, after = item[1], item[2]
             if after[: len(before)] == before and all(m.startswith("deferinit") for _, m in after[len(before):]):
                 continue
+        if modes_active and item[0] == "dispatch keys":
+            continue  # a dispatch mode pushed includes the Python keys
         if len(item) != 2:
             out.append(item)
             continue

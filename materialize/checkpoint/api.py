@@ -9,6 +9,7 @@ import torch
 from deferinit.errors import CheckpointError
 from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry
+from deferinit.fake.locking import locked
 
 from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
@@ -63,13 +64,17 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
-    with exclusive():  # deferred or real is decided once no other thread is materializing
-        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-        try:
-            return _load(module, source, strict=strict, prefix=prefix, rename=rename)
-        except BaseException:
-            entry.restore()
-            raise
+    # Deferred or real is decided once no other thread is materializing.
+    return locked(exclusive(), _guarded_load, module, source, strict=strict, prefix=prefix, rename=rename)
+
+
+def _guarded_load(module, source, **options) -> LoadResult:
+    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+    try:
+        return _load(module, source, **options)
+    except BaseException:
+        entry.restore()
+        raise
 
 
 def _load(module, source, *, strict, prefix, rename) -> LoadResult:
