@@ -4,13 +4,13 @@ The model is built deferred, then a whole step (forward, loss, backward,
 the optimizer's step) runs inside ``deferinit.fake.fake_mode`` on the device the
 model was built for (``cuda`` by default, fake on a machine without one)
 under PyTorch's ``MemTracker`` and ``FlopCounterMode`` (see
-:mod:`deferinit.cli.step`).  With ``--shard N`` the model is first sharded
+:mod:`deferinit.planning.step`).  With ``--shard N`` the model is first sharded
 with FSDP2 over ``N`` ranks of PyTorch's fake process group and the
 figures are one rank's, from ``FSDPMemTracker``.  The training recipe
 (optimizer, mixed precision, activation checkpointing, gradient
-accumulation) is :mod:`deferinit.cli.recipe`'s; ``--memory-timeline`` and
-``--memory-snapshot`` write the memory over time (:mod:`deferinit.cli.memplot`,
-:mod:`deferinit.cli.timeline`).  Nothing is allocated.
+accumulation) is :mod:`deferinit.planning.recipe`'s; ``--memory-timeline`` and
+``--memory-snapshot`` write the memory over time (:mod:`deferinit.planning.picture`,
+:mod:`deferinit.planning.timeline`).  Nothing is allocated.
 
 Example::
 
@@ -31,12 +31,12 @@ import torch
 
 from deferinit.fake import fake_mode
 
+from ..planning.process_group import fake_ranks
+from ..planning.recipe import Recipe, blocks, check_master_weights, check_optimizer_args, optimizer_class, plan_step
+from ..planning.report import format_plan, row_labels
+from ..planning.timeline import Timeline
 from .errors import UsageError
-from .fakedist import fake_ranks
-from .planreport import format_plan, row_labels
-from .recipe import Recipe, blocks, check_master_weights, check_optimizer_args, optimizer_class, plan_step, shard  # noqa: F401  (shard: FSDP2 as plan applies it)
 from .targets import build, parse_kwargs
-from .timeline import Timeline
 
 
 def parse_shape(text: str, what: str) -> tuple[int, ...]:
@@ -237,7 +237,7 @@ def _write_pictures(opts, model, measured, call, device, report, out) -> None:
         print(f"wrote {opts.memory_snapshot}: a memory snapshot for PyTorch's memory visualizer "
               "(https://pytorch.org/memory_viz, or python -m torch.cuda._memory_viz trace_plot FILE -o page.html)", file=out)
     if opts.memory_timeline:
-        from .memplot import timeline_html, timeline_svg
+        from ..planning.picture import timeline_html, timeline_svg
 
         target = device if device in measured.timeline.devices() else measured.timeline.devices()[0]
         what = dict(title=f"{call}: one training step", row_of=row_labels(model, measured),

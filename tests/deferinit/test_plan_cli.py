@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from deferinit.cli.planreport import fmt_flops
-from deferinit.cli.step import measure_step
+from deferinit.planning.report import fmt_flops
+from deferinit.planning.step import measure_step
 from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.text import fmt_bytes
 

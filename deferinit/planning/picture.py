@@ -1,7 +1,7 @@
 """A picture of the step's memory over time: an SVG, or a self-contained HTML page.
 
 The picture shows what PyTorch's memory visualizer shows for a real run,
-from a :class:`~deferinit.cli.timeline.Timeline`: one device's memory
+from a :class:`~deferinit.planning.timeline.Timeline`: one device's memory
 after each update of the tracker, stacked by category (parameters,
 gradients, optimizer state, activations, temporaries...), with the stage
 of the step (forward, backward, optimizer step) and the module running
@@ -13,8 +13,8 @@ elsewhere.
 
 Example::
 
-    >>> from deferinit.cli.step import measure_step
-    >>> from deferinit.cli.timeline import Timeline
+    >>> from deferinit.planning.step import measure_step
+    >>> from deferinit.planning.timeline import Timeline
     >>> timeline, model = Timeline(), torch.nn.Linear(64, 64)
     >>> _ = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
     >>> svg = timeline_svg(timeline, torch.device("cpu"), title="Linear(64, 64)")

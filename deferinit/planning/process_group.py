@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from .errors import UsageError
+from ..cli.errors import UsageError
 
 class _Stream(torch.cpu.Stream):
     """A CUDA stream that orders nothing (CPU's)."""

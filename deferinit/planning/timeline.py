@@ -5,7 +5,7 @@ category and update them on every change: a storage allocated (``ADD``),
 freed (``DEL``, when its last tensor dies), resized (``SIZE``: FSDP2's
 all-gather buffers) or moved to another category (``REF``: an activation
 that becomes a gradient).  A :class:`Timeline` given to
-:func:`deferinit.cli.step.measure_step` records each of those updates with
+:func:`deferinit.planning.step.measure_step` records each of those updates with
 the module running (the deepest one the tracker's ``ModTracker`` reports)
 and the stage of the step, so the totals at any moment are those the
 tracker had, and the highest of them is the tracker's peak.
@@ -22,7 +22,7 @@ simulated.
 
 Example::
 
-    >>> from deferinit.cli.step import measure_step
+    >>> from deferinit.planning.step import measure_step
     >>> timeline = Timeline()
     >>> model = torch.nn.Linear(64, 64)
     >>> m = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
@@ -64,7 +64,7 @@ class Timeline:
         self._blocks = 0
 
     def record(self, tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
-        """Called by the tracker (``deferinit.cli.step``) after each update."""
+        """Called by the tracker (``deferinit.planning.step``) after each update."""
         kind = u_type.name
         if kind == "ADD":
             self._blocks += 1

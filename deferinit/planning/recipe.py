@@ -23,7 +23,7 @@ would allocate:
   PyTorch's composable ``torch.distributed._composable.checkpoint`` on
   each block of every ``nn.ModuleList`` (the blocks FSDP2 wraps);
 * **gradient accumulation**: ``accumulate`` forward and backward passes
-  before the optimizer's step (see :func:`deferinit.cli.step.measure_step`).
+  before the optimizer's step (see :func:`deferinit.planning.step.measure_step`).
 
 Example (a real model; inside ``fake_mode`` a deferred one is planned the
 same way)::
@@ -82,7 +82,7 @@ def optimizer_class(name) -> type:
     if isinstance(name, type):
         return name
     if ":" in name:
-        from .targets import load_target
+        from ..cli.targets import load_target
 
         cls = load_target(name)
     else:
@@ -207,7 +207,7 @@ def prepare(model: torch.nn.Module, recipe: Recipe, mesh=None) -> list[str]:
 
 def plan_step(model, args, kwargs=None, recipe: Recipe | None = None, *, mesh=None, token_ids=None, timeline=None):
     """Prepare ``model`` for ``recipe`` (checkpointing, FSDP2 over ``mesh``), make its
-    optimizer, and measure one step (:func:`~deferinit.cli.step.measure_step`).
+    optimizer, and measure one step (:func:`~deferinit.planning.step.measure_step`).
 
     Inside ``fake_mode`` (``args`` made there too) this plans the step of a
     deferred model; on real tensors it measures the real step.  The result

@@ -17,7 +17,7 @@ a 70B Llama's lists of 723 are cut into the embedding, 80 layers of 9 and the
 head, 3 distinct chunks per operator instead of the 11 that cuts of 16 give,
 each propagated once.  Planning runs the optimizer's
 foreach calls on DTensor lists that way (:class:`ChunkedForeach`, entered by
-``deferinit.cli.step.measure_step``); the plan's figures are the real
+``deferinit.planning.step.measure_step``); the plan's figures are the real
 step's (``tests/deferinit/test_plan_foreach.py`` compares them with the
 unchunked step).
 

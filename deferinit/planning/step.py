@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
-from deferinit.cli.foreach import ChunkedForeach
-from deferinit.cli.trackers import Flops, Tracker, fsdp_tracker, local_tensor
 from deferinit.fake.device import backend_device
 from deferinit.fake.errors import FakeDataAccessError
+
+from .foreach import ChunkedForeach
+from .trackers import Flops, Tracker, fsdp_tracker, local_tensor
 
 #: What each of PyTorch's memory categories counts, in the report's words.
 LABELS = {
@@ -95,7 +96,7 @@ class Measured:
     after: dict  # like ``peak``, once the step is done: what stays between steps
     modules: list = dataclasses.field(default_factory=list)  # per micro-batch: the tracker's {module: stats}
     timeline: object = None  # the Timeline, when one was asked for
-    optimizer: object = None  # set by deferinit.cli.recipe.plan_step
+    optimizer: object = None  # set by deferinit.planning.recipe.plan_step
     recipe: list = dataclasses.field(default_factory=list)  # the recipe as text (plan_step)
 
 
@@ -113,7 +114,7 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
     figures of each are kept in ``Measured.modules``.  ``autocast``: the
     forward pass and the loss run under ``torch.autocast`` with this dtype
     (mixed precision; the parameters stay as they are, the fp32 masters).
-    ``timeline``: a :class:`~deferinit.cli.timeline.Timeline` that records
+    ``timeline``: a :class:`~deferinit.planning.timeline.Timeline` that records
     the memory over time.  Steps measured from several threads are measured
     one after the other: PyTorch's trackers see modules through global
     module hooks, so modules another thread runs meanwhile outside
