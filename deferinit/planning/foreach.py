@@ -23,12 +23,14 @@ unchunked step).
 
 Example::
 
-    >>> len(dtensors)
-    7
-    >>> with ChunkedForeach(chunk=2):
-    ...     out = torch._foreach_mul(dtensors, 2.0)   # calls of 2, 2, 2 and 1 DTensors
-    >>> len(out)
-    7
+    >>> from torch.distributed.tensor import Replicate, distribute_tensor
+    >>> from deferinit.planning import fake_ranks
+    >>> with fake_ranks(2, 0, "cpu") as mesh:
+    ...     dtensors = [distribute_tensor(torch.full((4,), float(i)), mesh, [Replicate()]) for i in range(7)]
+    ...     with ChunkedForeach(chunk=2):
+    ...         out = torch._foreach_mul(dtensors, 2.0)   # calls of 2, 2, 2 and 1 DTensors
+    ...     [t.to_local()[0].item() for t in out]
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
 """
 
 from __future__ import annotations

@@ -19,17 +19,6 @@ allocation and free: PyTorch's memory visualizer
 addresses are made up (one after the other, 512-byte aligned, never
 reused): the tracker knows sizes, not places, and no caching allocator is
 simulated.
-
-Example::
-
-    >>> from deferinit.planning.step import measure_step
-    >>> timeline = Timeline()
-    >>> model = torch.nn.Linear(64, 64)
-    >>> m = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
-    >>> max(t["Total"] for t in timeline.totals(torch.device("cpu"))) == m.peak[torch.device("cpu")]["Total"]
-    True
-    >>> sorted({e["action"] for e in timeline.snapshot()["device_traces"][0]})
-    ['alloc', 'free_completed', 'free_requested']
 """
 
 from __future__ import annotations
@@ -48,7 +37,9 @@ def _name(key) -> str:
 
 
 class Timeline:
-    """Every update of a memory tracker's running totals, in order (see the module).
+    """Every update of a memory tracker's running totals, in order: the step's memory
+    over time, given to :func:`~deferinit.planning.step.measure_step` (see
+    :mod:`deferinit.planning.timeline`).
 
     ``events`` holds tuples ``(action, device, block, category, size,
     old, module, stage)``: ``action`` is ``"alloc"``, ``"free"``,
@@ -56,6 +47,17 @@ class Timeline:
     the previous category); ``block`` numbers the storage; ``module`` is the
     fully qualified name of the deepest module running (``""`` outside any)
     and ``stage`` the part of the step (``measure_step`` sets it).
+
+    Example::
+
+        >>> from deferinit.planning import measure_step
+        >>> timeline = Timeline()
+        >>> model = torch.nn.Linear(64, 64)
+        >>> m = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
+        >>> max(t["Total"] for t in timeline.totals(torch.device("cpu"))) == m.peak[torch.device("cpu")]["Total"]
+        True
+        >>> sorted({e["action"] for e in timeline.snapshot()["device_traces"][0]})
+        ['alloc', 'free_completed', 'free_requested']
     """
 
     def __init__(self) -> None:

@@ -43,7 +43,10 @@ def local_tensor(t):
 
     Example::
 
-        >>> local_tensor(distribute_tensor(torch.ones(8), mesh, [Shard(0)])).shape   # 4 ranks
+        >>> from torch.distributed.tensor import Shard, distribute_tensor
+        >>> from deferinit.planning import fake_ranks
+        >>> with fake_ranks(4, 0, "cpu") as mesh:
+        ...     local_tensor(distribute_tensor(torch.ones(8), mesh, [Shard(0)])).shape
         torch.Size([2])
         >>> t = torch.ones(3); local_tensor(t) is t
         True
