@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import first as _first
+from .alive import life as _life
 from . import handlers
 from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
@@ -27,7 +27,7 @@ from .storage_set import fake_set_
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias", "_life"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
@@ -136,7 +136,9 @@ class FakeTensor(torch.Tensor):
         if name == "_is_param" and value:
             # nn.Parameter(custom_tensor) returns the custom tensor flagged
             # with _is_param; remember which Parameter class was asked for so
-            # that materialization gives back an instance of it.
+            # that materialization gives back an instance of it.  The stack is
+            # read because no protocol serves: Parameter.__new__ passes the
+            # class to nothing but its own frame (no torch function, no dispatch).
             caller = sys._getframe(1)
             if caller.f_code is _PARAMETER_NEW:
                 cls = caller.f_locals.get("cls")
@@ -284,8 +286,6 @@ _STRIDED = torch.strided
 
 def _make(cls, shadow, device, requires_grad=False):
     # Positional arguments: this runs for every fake ever made.
-    if _first.waiting:
-        _first.first_fake()
     self = _make_wrapper(
         cls, shadow.size(), shadow.stride(), shadow.storage_offset(), None,
         shadow.dtype, _STRIDED, backend_device(device), False, requires_grad,
@@ -293,6 +293,8 @@ def _make(cls, shadow, device, requires_grad=False):
     d = self.__dict__
     d["_shadow"] = shadow
     d["_device"] = device
+    # Holds torch.Tensor's .data and set_ patches while this fake lives (fake/alive.py).
+    d["_life"] = _life()
     return self
 
 

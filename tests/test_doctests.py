@@ -10,7 +10,8 @@ import torch
 MODULES = [
     "deferinit.fake",
     "deferinit.fake.tensor",
-    "deferinit.fake.first",
+    "deferinit.fake.alive",
+    "deferinit.fake.replaced",
     "deferinit.fake.mode",
     "deferinit.fake.device",
     "deferinit.fake.function",
@@ -26,6 +27,7 @@ MODULES = [
     "deferinit.fake.storage",
     "deferinit.fake.constants",
     "deferinit.fake.metacache",
+    "deferinit.fake.cudnn",
     "deferinit",
     "deferinit.session",
     "deferinit.view",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Mapping
+
+import torch
 
 from deferinit.errors import CheckpointError
 from deferinit.exclusive import exclusive
+from deferinit.fake.guard import Entry
 
 from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
@@ -60,13 +61,18 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
         >>> materialize_module(m).weight.sum().item()
         6.0
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
     with exclusive():  # deferred or real is decided once no other thread is materializing
-        return _load(module, source, strict=strict, prefix=prefix, rename=rename)
+        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+        try:
+            return _load(module, source, strict=strict, prefix=prefix, rename=rename)
+        except BaseException:
+            entry.restore()
+            raise
 
 
 def _load(module, source, *, strict, prefix, rename) -> LoadResult:
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
     entries, what = open_source(source)
     mapped = map_keys(entries, prefix=prefix, rename=rename)
     metadata = map_metadata(getattr(source, "_metadata", None) if isinstance(source, Mapping) else None, prefix=prefix, rename=rename)
@@ -89,7 +95,10 @@ def _load(module, source, *, strict, prefix, rename) -> LoadResult:
         )
         loader.finish()
     except BaseException:
-        loader.undo()
-        state.restore()
+        if loader.committing is not None:
+            loader.roll_forward()  # interrupted while writing: entirely done
+        else:
+            loader.undo()
+            state.restore()
         raise
     return result
