@@ -3,7 +3,7 @@
 One training step (forward, loss, backward, AdamW step) of the Llama-3-70B
 shaped ``deferinit.demo.Llama`` in bf16 at batch 1x4096, FSDP2-sharded over
 8 ranks of PyTorch's fake process group, measured by ``FSDPMemTracker`` and
-``FlopCounterMode`` (``deferinit.cli.step.measure_step``, what ``deferinit
+``FlopCounterMode`` (``deferinit.planning.measure_step``, what ``deferinit
 plan`` runs).  Rows:
 
 * **deferinit, fake cuda**: the model deferred on ``cuda`` (fake on a
@@ -17,7 +17,7 @@ plan`` runs).  Rows:
 * **transformers LlamaForCausalLM**, 70B config, deferinit, fake cuda, 8 ranks.
 * **fp32 masters + bf16 FSDP2 + checkpointing**: the recipe of
   docs/planning.md (``deferinit plan --mixed-precision bf16 --checkpointing
-  --shard 8``): built in float32, ``deferinit.cli.recipe.plan_step`` applies
+  --shard 8``): built in float32, ``deferinit.planning.plan_step`` applies
   activation checkpointing and FSDP2 with a bf16 ``MixedPrecisionPolicy``
   (its "shard" time is inside the step's), AdamW foreach.
 
@@ -74,10 +74,8 @@ def child(case: str, quick: bool) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from deferinit import deferred_init
-    from deferinit.cli.fakedist import fake_ranks
-    from deferinit.cli.plan import shard
-    from deferinit.cli.recipe import Recipe, plan_step
-    from deferinit.cli.step import measure_step
+    from deferinit.planning import Recipe, fake_ranks, measure_step, plan_step
+    from deferinit.planning.recipe import shard
     from deferinit.demo import Llama
     from deferinit.fake import fake_mode
 
@@ -148,12 +146,12 @@ def main(quick: bool = False) -> str:
                        "FakeTensorMode for its own fake arguments, which MemTracker then counts as optimizer state "
                        "(foreach AdamW on DTensors); deferinit's equals the real run's "
                        "(tests/deferinit/test_plan.py checks FSDP2 figures against real CPU runs).")
-    out += ["", "Every row plans the step with `deferinit.cli.step.measure_step`, so the FakeTensorMode row gains "
+    out += ["", "Every row plans the step with `deferinit.planning.measure_step`, so the FakeTensorMode row gains "
             "from what it does as much as deferinit's: it runs the optimizer's foreach calls over DTensors in chunks "
-            "that follow the parameter list's period, at most 16 (`deferinit/cli/foreach.py`: DTensor's sharding "
+            "that follow the parameter list's period, at most 16 (`deferinit/planning/foreach.py`: DTensor's sharding "
             "propagation of one foreach call costs the square of its list's length, about 20 s for these 723 "
             "parameters, and is cached by the chunk's specs), and it runs PyTorch's trackers with a cheaper "
-            "per-operator path (`deferinit/cli/trackers.py`: the same updates, about 2.3 s less on this step)."]
+            "per-operator path (`deferinit/planning/trackers.py`: the same updates, about 2.3 s less on this step)."]
     if "deferinit-cuda" in results:
         out += ["", "PyTorch's FakeTensorMode cannot fake CUDA tensors on a build without CUDA "
                 "(`nn.Linear(..., device=\"cuda\")` fails), so the fake cuda rows have no FakeTensorMode counterpart."]

@@ -47,6 +47,20 @@ PUBLIC = [
     ("deferinit.dot", ["write", "GraphViewError", "GraphvizNotFoundError", "GraphFormatError"]),
     ("deferinit.collectives", ["CollectiveError"]),
     ("deferinit.materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_plan", "fsdp_held_fakes"]),
+    (
+        "deferinit.planning",
+        [
+            "plan_step",
+            "measure_step",
+            "Recipe",
+            "Measured",
+            "fake_ranks",
+            "Timeline",
+            "timeline_svg",
+            "timeline_html",
+            "FakeProcessGroupError",
+        ],
+    ),
 ]
 
 

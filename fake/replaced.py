@@ -19,7 +19,7 @@ Example::
     >>> TABLE["tensor data"].names
     ('data', 'set_')
     >>> sorted(TABLE)[:3]
-    ['cli cuda runtime', 'fsdp1 hooks', 'generator api']
+    ['fsdp1 hooks', 'generator api', 'make subclass']
 """
 
 from __future__ import annotations
@@ -118,13 +118,14 @@ TABLE = {
         why="FSDP1 recognises deferred modules only through torchdistX's module names in its own globals.",
         until="inside ``with fsdp1_hooks():`` only.",
     ),
-    "cli cuda runtime": Replacement(
+    "planner cuda runtime": Replacement(
         owner=("torch.cuda",),
         names=("Stream", "Event", "current_stream", "stream", "current_device"),
-        by="deferinit.cli.fakedist",
-        why="``deferinit plan`` on a build without CUDA: FSDP2's stream and event calls on torch.cuda "
-        "answered by torch.cpu's.",
-        until="while the command's planned training step runs (the command line only, never the library).",
+        by="deferinit.planning.process_group",
+        why="planning a sharded step (``deferinit plan --shard``) on a build without CUDA: FSDP2's stream "
+        "and event calls on torch.cuda answered by torch.cpu's.",
+        until="inside ``with fake_ranks(..., \"cuda\"):`` on a build without CUDA only (the planner, "
+        "never deferral or materialization).",
     ),
 }
 

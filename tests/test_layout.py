@@ -1,7 +1,8 @@
 """The layout stays as docs/design.md draws it: imports point one way
-(materialize -> deferinit -> fake), no file imports itself back through
-others, and every file holds one idea, said by its docstring's first line
-(a file far beyond ~800 lines is a smell worth a look, not a rule)."""
+(materialize -> deferinit -> fake, the planner and the command line on
+top), no file imports itself back through others, and every file holds one
+idea, said by its docstring's first line (a file far beyond ~800 lines is a
+smell worth a look, not a rule)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("fake", "deferinit", "materialize")
 SMELL_LINES = 800
 # Files that sit on top of all three layers: the front door re-exports and
-# wires them, the command line is an application of them.
-TOP = ("deferinit/__init__.py", "deferinit/__main__.py", "deferinit/cli/")
+# wires them; the planner is a library built on them, and the command line
+# an application of them and of the planner.
+PLANNING = "deferinit/planning/"
+CLI = "deferinit/cli/"
+TOP = ("deferinit/__init__.py", "deferinit/__main__.py", PLANNING, CLI)
+# What the planner builds on: the fake layer, the front doors of the other
+# two layers, and the text helpers every report shares.
+PLANNING_BUILDS_ON = ("fake/", "deferinit/__init__.py", "materialize/__init__.py", "deferinit/text.py")
 
 
 def _files():
@@ -108,6 +115,28 @@ def test_imports_point_one_way(graph, lower, upper):
         if path.startswith(lower + os.sep) and not path.startswith(TOP)
         for other in others
         if other.startswith(upper + os.sep)
+    ]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_the_planner_sits_between_the_layers_and_the_command_line(graph):
+    # deferinit.planning is a library of its own: it imports the layers only
+    # through what PLANNING_BUILDS_ON names, never the command line, and only
+    # the command line imports it (importing deferinit does not import
+    # PyTorch's trackers).
+    wrong = [
+        f"{path} imports {other}"
+        for path, others in graph.items()
+        if path.startswith(PLANNING)
+        for other in others
+        if not other.startswith((PLANNING, *PLANNING_BUILDS_ON))
+    ]
+    wrong += [
+        f"{path} imports {other}"
+        for path, others in graph.items()
+        if not path.startswith((PLANNING, CLI))
+        for other in others
+        if other.startswith(PLANNING)
     ]
     assert not wrong, "; ".join(wrong)
 

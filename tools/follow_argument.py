@@ -11,6 +11,12 @@ numbers; lower is easier to follow.
 
     python tools/follow_argument.py            # a Transformer, materialize_module
     python tools/follow_argument.py --show     # and the path, file by file
+    python tools/follow_argument.py --plan     # a deferred Llama, the planner's plan_step
+
+``--plan`` follows the model through the planner's front door instead:
+``plan_step`` on a deferred ``deferinit.demo.Llama`` (tiny shape, fake CUDA,
+activation checkpointing, FSDP2 over 2 fake ranks), inside ``fake_mode``,
+as ``deferinit plan --shard 2 --checkpointing`` runs it.
 """
 
 from __future__ import annotations
@@ -138,10 +144,47 @@ def measure(path: list[str], graph) -> dict:
     return {"files": len(seen), "up": ups, "reentries": reentries, "path": path}
 
 
+def _report(name: str, every, holding, graph, show: bool) -> None:
+    for what, path in (("every call", every), ("calls given the module", holding)):
+        r = measure(path, graph)
+        print(f"{name}, {what}: {r['files']} files, back up the import order {r['up']} times, "
+              f"re-enters a file it had left {r['reentries']} times")
+        if show:
+            print("  " + "\n  ".join(path))
+
+
+def follow_plan(show: bool) -> None:
+    """The planner's path: ``plan_step`` on a deferred Llama over 2 fake ranks."""
+    import torch
+
+    from deferinit import deferred_init
+    from deferinit.demo import LLAMA_TINY, Llama
+    from deferinit.fake import fake_mode
+
+    if os.path.isdir(os.path.join(ROOT, "deferinit", "planning")):
+        from deferinit.planning import Recipe, fake_ranks, plan_step
+    else:  # a tree from before issue 28: the planner lived in the command line
+        from deferinit.cli.fakedist import fake_ranks
+        from deferinit.cli.recipe import Recipe, plan_step
+
+    graph = import_graph()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = deferred_init(Llama, LLAMA_TINY)
+    with fake_ranks(2, 0, "cuda") as mesh, fake_mode(fake_cuda=True):
+        ids = torch.randint(0, LLAMA_TINY.vocab_size, (2, 16), device="cuda")
+        every, holding = follow(model, lambda: plan_step(model, (ids,), {}, Recipe(checkpointing=True),
+                                                         mesh=mesh, token_ids=ids))
+    _report("Llama (tiny), plan_step", every, holding, graph, show)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--show", action="store_true", help="print the path, one file per line")
+    parser.add_argument("--plan", action="store_true", help="follow the planner's plan_step instead")
     args = parser.parse_args(argv)
+    if args.plan:
+        return follow_plan(args.show)
     import torch
 
     from deferinit import deferred_init, materialize_module
@@ -152,12 +195,7 @@ def main(argv=None) -> None:
         torch.manual_seed(0)
         model = deferred_init(ctor)
         every, holding = follow(model, lambda: materialize_module(model))
-        for what, path in (("every call", every), ("calls given the module", holding)):
-            r = measure(path, graph)
-            print(f"{name}, {what}: {r['files']} files, back up the import order {r['up']} times, "
-                  f"re-enters a file it had left {r['reentries']} times")
-            if args.show:
-                print("  " + "\n  ".join(path))
+        _report(name, every, holding, graph, args.show)
 
 
 if __name__ == "__main__":

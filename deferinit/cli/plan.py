@@ -1,16 +1,19 @@
 """``deferinit plan``: one training step of a deferred model, measured on fake devices.
 
-The model is built deferred, then a whole step (forward, loss, backward,
-the optimizer's step) runs inside ``deferinit.fake.fake_mode`` on the device the
-model was built for (``cuda`` by default, fake on a machine without one)
-under PyTorch's ``MemTracker`` and ``FlopCounterMode`` (see
-:mod:`deferinit.cli.step`).  With ``--shard N`` the model is first sharded
-with FSDP2 over ``N`` ranks of PyTorch's fake process group and the
-figures are one rank's, from ``FSDPMemTracker``.  The training recipe
-(optimizer, mixed precision, activation checkpointing, gradient
-accumulation) is :mod:`deferinit.cli.recipe`'s; ``--memory-timeline`` and
-``--memory-snapshot`` write the memory over time (:mod:`deferinit.cli.memplot`,
-:mod:`deferinit.cli.timeline`).  Nothing is allocated.
+The command line of :mod:`deferinit.planning`: it parses the options, builds
+the model deferred, and prints and writes what the library measured.  A
+whole step (forward, loss, backward, the optimizer's step) runs inside
+``deferinit.fake.fake_mode`` on the device the model was built for
+(``cuda`` by default, fake on a machine without one) under PyTorch's
+``MemTracker`` and ``FlopCounterMode`` (:func:`deferinit.planning.plan_step`).
+With ``--shard N`` the model is first sharded with FSDP2 over ``N`` ranks of
+PyTorch's fake process group (:func:`deferinit.planning.fake_ranks`) and the
+figures are one rank's, from ``FSDPMemTracker``.  The options of the
+training recipe (optimizer, mixed precision, activation checkpointing,
+gradient accumulation) make a :class:`deferinit.planning.Recipe`;
+``--memory-timeline`` and ``--memory-snapshot`` write the memory over time
+(:mod:`deferinit.planning.picture`, :mod:`deferinit.planning.timeline`).
+Nothing is allocated.
 
 Example::
 
@@ -21,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import inspect as pyinspect
 import os
 import pickle
 import re
@@ -31,12 +33,12 @@ import torch
 
 from deferinit.fake import fake_mode
 
+from ..planning import FakeProcessGroupError, Recipe, Timeline, fake_ranks, plan_step, timeline_html, timeline_svg
+from ..planning.recipe import blocks, check_master_weights, check_optimizer_args, optimizer_class
+from ..planning.report import format_plan, row_labels
+from ..planning.step import make_inputs, vocabulary
 from .errors import UsageError
-from .fakedist import fake_ranks
-from .planreport import format_plan, row_labels
-from .recipe import Recipe, blocks, check_master_weights, check_optimizer_args, optimizer_class, plan_step, shard  # noqa: F401  (shard: FSDP2 as plan applies it)
-from .targets import build, parse_kwargs
-from .timeline import Timeline
+from .targets import build, load_target, parse_kwargs
 
 
 def parse_shape(text: str, what: str) -> tuple[int, ...]:
@@ -69,48 +71,26 @@ def parse_input(text: str) -> tuple[tuple[int, ...], torch.dtype | None]:
     return parse_shape(shape, "--input"), None
 
 
-def vocabulary(model: torch.nn.Module) -> int | None:
-    """The number of token ids ``model`` takes: its config's ``vocab_size``, else
-    the size of its first ``nn.Embedding``."""
-    size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if isinstance(size, int):
-        return size
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding):
-            return m.num_embeddings
-    return None
-
-
-def make_inputs(model, batch, extra, device):
-    """``(args, kwargs, token_ids)`` for one forward pass, made inside the fake mode."""
-    args, kwargs, ids = [], {}, None
+def _inputs(model, batch, extra, device):
+    """The step's inputs (:func:`deferinit.planning.step.make_inputs`), refused in the options' words."""
     if batch is not None:
         if len(batch) != 2:
             raise UsageError(f"--batch takes BATCHxSEQUENCE, e.g. 1x4096 (got {'x'.join(map(str, batch))})")
-        vocab = vocabulary(model)
-        if vocab is None:
+        if vocabulary(model) is None:
             raise UsageError("--batch makes token ids, and the model has no nn.Embedding nor config.vocab_size; "
                              "use --input SHAPE for other inputs")
-        ids = torch.randint(0, vocab, batch, device=device)
-        if _accepts(model.forward, "labels"):
-            kwargs = {"input_ids": ids, "labels": ids}  # transformers: the model's own loss
-        else:
-            args.append(ids)
-    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-    for shape, dtype in extra:
-        dtype = dtype or floating
-        if dtype.is_floating_point:
-            args.append(torch.randn(shape, dtype=dtype, device=device))
-        else:
-            args.append(torch.zeros(shape, dtype=dtype, device=device))
-    return tuple(args), kwargs, ids
+    return make_inputs(model, batch, extra, device)
 
 
-def _accepts(fn, name: str) -> bool:
-    try:
-        return name in pyinspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
+@contextlib.contextmanager
+def _fake_ranks(world_size: int, rank: int, device_type: str):
+    """:func:`deferinit.planning.fake_ranks`, its refusal said as ``--shard``'s."""
+    with contextlib.ExitStack() as stack:
+        try:
+            mesh = stack.enter_context(fake_ranks(world_size, rank, device_type))
+        except FakeProcessGroupError as e:
+            raise UsageError(f"--shard needs {e.needs}") from None
+        yield mesh
 
 
 def _device(model, fallback) -> torch.device:
@@ -134,15 +114,17 @@ def recipe_of(opts) -> Recipe:
         Recipe(optimizer='sgd', optimizer_args={'lr': 0.1}, foreach=None, mixed_precision=torch.bfloat16, checkpointing=False, accumulate=4)
     """
     try:
-        optimizer_class(opts.optimizer)
+        # module:Class imported as TARGET is (file.py:Class too, the current directory on the path)
+        cls = optimizer_class(opts.optimizer, load=load_target)
     except ValueError as e:
         raise UsageError(f"--optimizer {opts.optimizer}: {e}") from None
+    optimizer = cls if ":" in opts.optimizer else opts.optimizer
     try:
         args = parse_kwargs(opts.optimizer_arg)
     except UsageError as e:
         raise UsageError(str(e).replace("-k", "--optimizer-arg")) from None
     try:
-        check_optimizer_args(Recipe(optimizer=opts.optimizer, optimizer_args=args))
+        check_optimizer_args(Recipe(optimizer=optimizer, optimizer_args=args))
     except ValueError as e:
         raise UsageError(f"--optimizer-arg: {e}") from None
     low = None
@@ -152,7 +134,7 @@ def recipe_of(opts) -> Recipe:
             raise UsageError(f"--mixed-precision {opts.mixed_precision!r}: expected bf16 or fp16")
     if opts.accumulate is not None and opts.accumulate < 1:
         raise UsageError(f"--accumulate must be at least 1, got {opts.accumulate}")
-    return Recipe(optimizer=opts.optimizer, optimizer_args=args, foreach=opts.foreach, mixed_precision=low,
+    return Recipe(optimizer=optimizer, optimizer_args=args, foreach=opts.foreach, mixed_precision=low,
                   checkpointing=opts.checkpointing, accumulate=opts.accumulate or 1)
 
 
@@ -212,10 +194,10 @@ def plan(opts, out) -> int:
     rank = opts.rank or 0
     timeline = Timeline() if (opts.memory_timeline or opts.memory_snapshot) else None
     t0 = time.perf_counter()
-    ranks = fake_ranks(opts.shard, rank, device.type) if opts.shard else contextlib.nullcontext()
+    ranks = _fake_ranks(opts.shard, rank, device.type) if opts.shard else contextlib.nullcontext()
     with ranks as mesh, fake_mode(fake_cuda=True):
         model.train()
-        args, kwargs, ids = make_inputs(model, batch, extra, device)
+        args, kwargs, ids = _inputs(model, batch, extra, device)
         measured = plan_step(model, args, kwargs, recipe, mesh=mesh, token_ids=ids, timeline=timeline)
     seconds = time.perf_counter() - t0
     setup = {
@@ -237,8 +219,6 @@ def _write_pictures(opts, model, measured, call, device, report, out) -> None:
         print(f"wrote {opts.memory_snapshot}: a memory snapshot for PyTorch's memory visualizer "
               "(https://pytorch.org/memory_viz, or python -m torch.cuda._memory_viz trace_plot FILE -o page.html)", file=out)
     if opts.memory_timeline:
-        from .memplot import timeline_html, timeline_svg
-
         target = device if device in measured.timeline.devices() else measured.timeline.devices()[0]
         what = dict(title=f"{call}: one training step", row_of=row_labels(model, measured),
                     subtitle=f"{target}: {report.splitlines()[0].partition(': ')[2]}")

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init
-from deferinit.cli.fakedist import fake_ranks
-from deferinit.cli.plan import shard
-from deferinit.cli.planreport import module_rows
-from deferinit.cli.step import Tracker, measure_step, module_peak
+from deferinit.planning.process_group import fake_ranks
+from deferinit.planning.recipe import shard
+from deferinit.planning.report import module_rows
+from deferinit.planning.step import Tracker, measure_step, module_peak
 from deferinit.fake import fake_mode
 
 B, S = 2, 16

@@ -14,14 +14,15 @@ import sys
 import pytest
 import torch
 
-from deferinit.cli.planreport import fmt_flops
-from deferinit.cli.step import measure_step
+from deferinit.planning.report import fmt_flops
+from deferinit.planning.step import measure_step
 from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.text import fmt_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TARGETS = '''
+import torch
 import torch.nn as nn
 from deferinit.demo import Llama, LLAMA_TINY
 
@@ -29,8 +30,10 @@ def tiny(device=None, dtype=None):
     return Llama(LLAMA_TINY, device=device, dtype=dtype)
 
 def tiny_bf16(device=None):
-    import torch
     return Llama(LLAMA_TINY, device=device, dtype=torch.bfloat16)  # whatever --dtype says
+
+class MyAdam(torch.optim.Adam):
+    pass
 
 class CNN(nn.Module):
     def __init__(self):
@@ -113,6 +116,11 @@ def test_plan_takes_other_inputs_and_optimizers(targets):
     assert r.returncode == 0, r.stderr
     assert "SGD step" in r.stdout and "inputs 4x3x16x16" in r.stdout
     assert cells(r.stdout, "features")[2] in ("forward", "backward")
+    # module:Class is loaded as TARGET is: a file, or a module of the current directory
+    for name in ("targets.py:MyAdam", "targets:MyAdam"):
+        r = plan("targets.py:CNN", "--input", "4x3x16x16", "--optimizer", name, "--no-foreach", cwd=targets)
+        assert r.returncode == 0, r.stderr
+        assert "MyAdam step" in r.stdout
 
 
 def _real_recipe_step():
@@ -208,6 +216,9 @@ def test_plan_of_a_transformers_training_config(tmp_path):
      "parameters the model's code makes in a fixed dtype stay so: plan those without --mixed-precision)"),
     (["targets.py:tiny", "--batch", "2x3", "--mixed-precision", "int8"], "--mixed-precision 'int8': expected bf16 or fp16"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer", "adamz"], "--optimizer adamz: no optimizer 'adamz' in torch.optim"),
+    (["targets.py:tiny", "--batch", "2x3", "--optimizer", "nope:Adam"], "cannot import module 'nope': no module named 'nope'"),
+    (["targets.py:tiny", "--batch", "2x3", "--optimizer", "targets.py:CNN"],
+     "--optimizer targets.py:CNN: targets.py:CNN is not a torch.optim.Optimizer subclass"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer-arg", "lr"], "--optimizer-arg expects name=value"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer", "sgd", "--optimizer-arg", "betas=(0.9,0.95)"],
      "--optimizer-arg: SGD takes no argument 'betas' (it takes lr, momentum"),

@@ -1,5 +1,5 @@
 """Foreach operators over DTensors run in chunks while a step is planned
-(deferinit.cli.foreach): the same tensors, values and figures as PyTorch's
+(deferinit.planning.foreach): the same tensors, values and figures as PyTorch's
 own unchunked call."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from deferinit import deferred_init
-from deferinit.cli import foreach
-from deferinit.cli.fakedist import fake_ranks
-from deferinit.cli.foreach import ChunkedForeach, bounds
-from deferinit.cli.plan import shard
+from deferinit.planning import foreach
+from deferinit.planning.process_group import fake_ranks
+from deferinit.planning.foreach import ChunkedForeach, bounds
+from deferinit.planning.recipe import shard
 from deferinit.fake import fake_mode
 
-from deferinit.cli.step import measure_step
+from deferinit.planning.step import measure_step
 
 from .test_plan import inputs, llama, per_module, step
 

@@ -22,10 +22,10 @@ import torch.cuda._memory_viz as memory_viz
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from deferinit import deferred_init
-from deferinit.cli.memplot import COLUMNS, timeline_html, timeline_svg
-from deferinit.cli.planreport import row_labels
-from deferinit.cli.step import LABELS, measure_step
-from deferinit.cli.timeline import Timeline
+from deferinit.planning.picture import COLUMNS, timeline_html, timeline_svg
+from deferinit.planning.report import row_labels
+from deferinit.planning.step import LABELS, measure_step
+from deferinit.planning.timeline import Timeline
 from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.text import fmt_bytes
 from deferinit.fake import fake_mode

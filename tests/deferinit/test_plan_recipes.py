@@ -3,7 +3,7 @@
 The reference is always the real step written in plain PyTorch on an eager
 model, measured by PyTorch's own ``MemTracker`` / ``FSDPMemTracker`` (peak
 and end of step, per device and category) and, in a separate run,
-``FlopCounterMode``; the plan is ``deferinit.cli.recipe.plan_step`` on a
+``FlopCounterMode``; the plan is ``deferinit.planning.recipe.plan_step`` on a
 deferred model inside ``fake_mode``.  Recipes: activation checkpointing
 (transformers' ``activation_checkpointing_enable``, PyTorch's composable
 ``checkpoint``), bf16 mixed precision with fp32 master weights
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from deferinit import deferred_init
-from deferinit.cli.fakedist import fake_ranks
-from deferinit.cli.recipe import Recipe, plan_step
+from deferinit.planning.process_group import fake_ranks
+from deferinit.planning.recipe import Recipe, plan_step
 from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.fake import fake_mode
 

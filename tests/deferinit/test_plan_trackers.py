@@ -1,4 +1,4 @@
-"""The planned step's trackers (deferinit.cli.trackers) against PyTorch's own:
+"""The planned step's trackers (deferinit.planning.trackers) against PyTorch's own:
 MemTracker, FSDPMemTracker and FlopCounterMode, run on the same real steps,
 must make the same updates in the same order and give the same figures."""
 
@@ -15,12 +15,12 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
-from deferinit.cli import trackers
-from deferinit.cli.fakedist import fake_ranks
-from deferinit.cli.plan import shard
-from deferinit.cli.trackers import Flops, Tracker, fsdp_tracker
+from deferinit.planning import trackers
+from deferinit.planning.process_group import fake_ranks
+from deferinit.planning.recipe import shard
+from deferinit.planning.trackers import Flops, Tracker, fsdp_tracker
 
-from deferinit.cli.step import loss_of
+from deferinit.planning.step import loss_of
 
 from .test_plan import CORPUS, inputs, llama
 
@@ -232,7 +232,7 @@ def test_steps_measured_in_two_threads_at_once_are_each_measured_alone():
     in PyTorch's ModTracker), so measure_step measures one step at a time."""
     import threading
 
-    from deferinit.cli.step import measure_step
+    from deferinit.planning.step import measure_step
 
     names = ["llama", "gpt2"]
     want = [_alone_in_pytorchs_trackers(name) for name in names]

@@ -5,7 +5,7 @@ category and update them on every change: a storage allocated (``ADD``),
 freed (``DEL``, when its last tensor dies), resized (``SIZE``: FSDP2's
 all-gather buffers) or moved to another category (``REF``: an activation
 that becomes a gradient).  A :class:`Timeline` given to
-:func:`deferinit.cli.step.measure_step` records each of those updates with
+:func:`deferinit.planning.step.measure_step` records each of those updates with
 the module running (the deepest one the tracker's ``ModTracker`` reports)
 and the stage of the step, so the totals at any moment are those the
 tracker had, and the highest of them is the tracker's peak.
@@ -19,17 +19,6 @@ allocation and free: PyTorch's memory visualizer
 addresses are made up (one after the other, 512-byte aligned, never
 reused): the tracker knows sizes, not places, and no caching allocator is
 simulated.
-
-Example::
-
-    >>> from deferinit.cli.step import measure_step
-    >>> timeline = Timeline()
-    >>> model = torch.nn.Linear(64, 64)
-    >>> m = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
-    >>> max(t["Total"] for t in timeline.totals(torch.device("cpu"))) == m.peak[torch.device("cpu")]["Total"]
-    True
-    >>> sorted({e["action"] for e in timeline.snapshot()["device_traces"][0]})
-    ['alloc', 'free_completed', 'free_requested']
 """
 
 from __future__ import annotations
@@ -48,7 +37,9 @@ def _name(key) -> str:
 
 
 class Timeline:
-    """Every update of a memory tracker's running totals, in order (see the module).
+    """Every update of a memory tracker's running totals, in order: the step's memory
+    over time, given to :func:`~deferinit.planning.step.measure_step` (see
+    :mod:`deferinit.planning.timeline`).
 
     ``events`` holds tuples ``(action, device, block, category, size,
     old, module, stage)``: ``action`` is ``"alloc"``, ``"free"``,
@@ -56,6 +47,17 @@ class Timeline:
     the previous category); ``block`` numbers the storage; ``module`` is the
     fully qualified name of the deepest module running (``""`` outside any)
     and ``stage`` the part of the step (``measure_step`` sets it).
+
+    Example::
+
+        >>> from deferinit.planning import measure_step
+        >>> timeline = Timeline()
+        >>> model = torch.nn.Linear(64, 64)
+        >>> m = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
+        >>> max(t["Total"] for t in timeline.totals(torch.device("cpu"))) == m.peak[torch.device("cpu")]["Total"]
+        True
+        >>> sorted({e["action"] for e in timeline.snapshot()["device_traces"][0]})
+        ['alloc', 'free_completed', 'free_requested']
     """
 
     def __init__(self) -> None:
@@ -64,7 +66,7 @@ class Timeline:
         self._blocks = 0
 
     def record(self, tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
-        """Called by the tracker (``deferinit.cli.step``) after each update."""
+        """Called by the tracker (``deferinit.planning.step``) after each update."""
         kind = u_type.name
         if kind == "ADD":
             self._blocks += 1

@@ -43,7 +43,10 @@ def local_tensor(t):
 
     Example::
 
-        >>> local_tensor(distribute_tensor(torch.ones(8), mesh, [Shard(0)])).shape   # 4 ranks
+        >>> from torch.distributed.tensor import Shard, distribute_tensor
+        >>> from deferinit.planning import fake_ranks
+        >>> with fake_ranks(4, 0, "cpu") as mesh:
+        ...     local_tensor(distribute_tensor(torch.ones(8), mesh, [Shard(0)])).shape
         torch.Size([2])
         >>> t = torch.ones(3); local_tensor(t) is t
         True
@@ -76,7 +79,7 @@ class _Adjusted:
       the same updates, but the cost of a step no longer grows with the
       square of the number of layers (80 layers: minutes -> seconds).
     * Every change to the running totals can be recorded (``timeline``, a
-      :class:`~deferinit.cli.timeline.Timeline`): the step's memory over time.
+      :class:`~deferinit.planning.timeline.Timeline`): the step's memory over time.
     * ``__torch_dispatch__`` does what PyTorch's does, in its order, but walks
       an operator's result without pytree when it is a tensor, a list or a
       tuple (``_each_tensor``) and looks at the dispatch state once.

@@ -16,7 +16,18 @@ import torch
 
 from deferinit.fake.patch import shared_patch
 
-from .errors import UsageError
+
+class FakeProcessGroupError(RuntimeError):
+    """:func:`fake_ranks` cannot start PyTorch's fake process group: this build
+    has no ``torch.distributed``, or a process group is already initialized.
+
+    ``needs`` says what was missing, for callers that word it their own way
+    (the command line: ``--shard needs ...``).
+    """
+
+    def __init__(self, needs: str) -> None:
+        super().__init__(f"fake_ranks needs {needs}")
+        self.needs = needs
 
 
 class _Stream(torch.cpu.Stream):
@@ -56,27 +67,38 @@ def cuda_runtime_on_cpu():
         yield
 
 
-# Listed in deferinit.fake.replaced ("cli cuda runtime").
-_CUDA_ON_CPU = shared_patch("cli cuda runtime", "torch.cuda", lambda: torch.cuda, lambda _: dict(_CUDA_RUNTIME))
+# Listed in deferinit.fake.replaced ("planner cuda runtime").
+_CUDA_ON_CPU = shared_patch("planner cuda runtime", "torch.cuda", lambda: torch.cuda, lambda _: dict(_CUDA_RUNTIME))
 
 
 @contextlib.contextmanager
 def fake_ranks(world_size: int, rank: int, device_type: str):
     """A 1-D device mesh of ``world_size`` fake ranks, this process being ``rank``.
 
-    Example::
+    The block runs with PyTorch's fake process group initialized (every
+    collective accepted, no data moved), and with ``device_type`` ``"cuda"``
+    on a build without CUDA, ``torch.cuda``'s stream, event and device calls
+    answered by ``torch.cpu``'s; both are undone when it ends.  Raises
+    :class:`FakeProcessGroupError` when this PyTorch has no
+    ``torch.distributed`` or a process group is already initialized.
 
-        >>> with fake_ranks(8, 0, "cuda") as mesh:
-        ...     fully_shard(model, mesh=mesh)
+    Example (FSDP2 shards a model as rank 1 of 4 would hold it)::
+
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> model = torch.nn.Linear(8, 8)
+        >>> with fake_ranks(4, 1, "cpu") as mesh:
+        ...     _ = fully_shard(model, mesh=mesh)
+        ...     model.weight.to_local().shape
+        torch.Size([2, 8])
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_available():
-        raise UsageError("--shard needs torch.distributed, which this PyTorch build lacks")
+        raise FakeProcessGroupError("torch.distributed, which this PyTorch build lacks")
     if dist.is_initialized():
-        raise UsageError("--shard needs its own (fake) process group, and one is already initialized")
+        raise FakeProcessGroupError("its own (fake) process group, and one is already initialized")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         with cuda_runtime_on_cpu() if device_type == "cuda" else contextlib.nullcontext():

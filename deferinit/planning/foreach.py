@@ -17,18 +17,20 @@ a 70B Llama's lists of 723 are cut into the embedding, 80 layers of 9 and the
 head, 3 distinct chunks per operator instead of the 11 that cuts of 16 give,
 each propagated once.  Planning runs the optimizer's
 foreach calls on DTensor lists that way (:class:`ChunkedForeach`, entered by
-``deferinit.cli.step.measure_step``); the plan's figures are the real
+``deferinit.planning.step.measure_step``); the plan's figures are the real
 step's (``tests/deferinit/test_plan_foreach.py`` compares them with the
 unchunked step).
 
 Example::
 
-    >>> len(dtensors)
-    7
-    >>> with ChunkedForeach(chunk=2):
-    ...     out = torch._foreach_mul(dtensors, 2.0)   # calls of 2, 2, 2 and 1 DTensors
-    >>> len(out)
-    7
+    >>> from torch.distributed.tensor import Replicate, distribute_tensor
+    >>> from deferinit.planning import fake_ranks
+    >>> with fake_ranks(2, 0, "cpu") as mesh:
+    ...     dtensors = [distribute_tensor(torch.full((4,), float(i)), mesh, [Replicate()]) for i in range(7)]
+    ...     with ChunkedForeach(chunk=2):
+    ...         out = torch._foreach_mul(dtensors, 2.0)   # calls of 2, 2, 2 and 1 DTensors
+    ...     [t.to_local()[0].item() for t in out]
+    [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
 """
 
 from __future__ import annotations

@@ -23,22 +23,16 @@ would allocate:
   PyTorch's composable ``torch.distributed._composable.checkpoint`` on
   each block of every ``nn.ModuleList`` (the blocks FSDP2 wraps);
 * **gradient accumulation**: ``accumulate`` forward and backward passes
-  before the optimizer's step (see :func:`deferinit.cli.step.measure_step`).
+  before the optimizer's step (see :func:`deferinit.planning.step.measure_step`).
 
-Example (a real model; inside ``fake_mode`` a deferred one is planned the
-same way)::
-
-    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    >>> recipe = Recipe(optimizer="sgd", optimizer_args={"lr": 0.1}, accumulate=2)
-    >>> m = plan_step(model, (torch.randn(4, 64),), {}, recipe)
-    >>> m.flops, type(m.optimizer).__name__
-    (155648, 'SGD')
+:func:`plan_step` applies a :class:`Recipe` and measures the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import pkgutil
 
 import torch
 
@@ -52,7 +46,9 @@ _EXTRA_DEFAULTS = {"SGD": {"momentum": 0.9}}
 
 @dataclasses.dataclass
 class Recipe:
-    """How the step trains (see the module).
+    """How the step trains: optimizer, mixed precision, activation checkpointing,
+    gradient accumulation, each applied with PyTorch's own tools
+    (:mod:`deferinit.planning.recipe` says how).
 
     ``optimizer`` is a ``torch.optim`` class name in any case, ``module:Class``,
     or an optimizer class; ``optimizer_args`` its keyword arguments (``lr``
@@ -61,6 +57,12 @@ class Recipe:
     compute dtype (``torch.bfloat16``) with fp32 master weights;
     ``checkpointing`` activation checkpointing of each block; ``accumulate``
     the number of micro-batches per optimizer step.
+
+    Example::
+
+        >>> Recipe(optimizer="adamw", optimizer_args={"lr": 3e-4, "betas": (0.9, 0.95)},
+        ...        mixed_precision=torch.bfloat16, checkpointing=True, accumulate=4)
+        Recipe(optimizer='adamw', optimizer_args={'lr': 0.0003, 'betas': (0.9, 0.95)}, foreach=None, mixed_precision=torch.bfloat16, checkpointing=True, accumulate=4)
     """
 
     optimizer: object = "adamw"
@@ -71,8 +73,11 @@ class Recipe:
     accumulate: int = 1
 
 
-def optimizer_class(name) -> type:
-    """The optimizer class ``name`` stands for.
+def optimizer_class(name, *, load=None) -> type:
+    """The optimizer class ``name`` stands for: a class, a ``torch.optim`` class
+    name in any case, or ``module:Class``, which ``load`` imports (default
+    :func:`pkgutil.resolve_name`; the command line passes its own, which also
+    takes ``file.py:Class``).  Raises ValueError for anything else.
 
     Example::
 
@@ -82,9 +87,7 @@ def optimizer_class(name) -> type:
     if isinstance(name, type):
         return name
     if ":" in name:
-        from .targets import load_target
-
-        cls = load_target(name)
+        cls = (load or _resolve)(name)
     else:
         found = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
                  if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
@@ -95,6 +98,13 @@ def optimizer_class(name) -> type:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"{name} is not a torch.optim.Optimizer subclass")
     return cls
+
+
+def _resolve(name: str):
+    try:
+        return pkgutil.resolve_name(name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import {name}: {e}") from e
 
 
 def check_optimizer_args(recipe: Recipe) -> type:
@@ -207,12 +217,28 @@ def prepare(model: torch.nn.Module, recipe: Recipe, mesh=None) -> list[str]:
 
 def plan_step(model, args, kwargs=None, recipe: Recipe | None = None, *, mesh=None, token_ids=None, timeline=None):
     """Prepare ``model`` for ``recipe`` (checkpointing, FSDP2 over ``mesh``), make its
-    optimizer, and measure one step (:func:`~deferinit.cli.step.measure_step`).
+    optimizer, and measure one step (:func:`~deferinit.planning.step.measure_step`).
 
+    ``model(*args, **kwargs)`` is the forward pass; ``recipe`` defaults to
+    ``Recipe()`` (AdamW, no mixed precision, no checkpointing, one
+    micro-batch).  ``mesh``: a device mesh (:func:`~deferinit.planning.process_group.fake_ranks`)
+    over which each block of every ``nn.ModuleList``, then the model, is
+    sharded with FSDP2's ``fully_shard`` before the step.  ``token_ids`` and
+    ``timeline`` are :func:`~deferinit.planning.step.measure_step`'s.
     Inside ``fake_mode`` (``args`` made there too) this plans the step of a
-    deferred model; on real tensors it measures the real step.  The result
-    also carries the optimizer (``.optimizer``) and the recipe's description
-    (``.recipe``).
+    deferred model; on real tensors it measures the real step.  The result,
+    a :class:`~deferinit.planning.step.Measured`, also carries the optimizer
+    (``.optimizer``) and the recipe's description (``.recipe``).  A recipe
+    the model cannot take raises ValueError before the model is touched.
+
+    Example (a real model; inside ``fake_mode`` a deferred one is planned the
+    same way, see :mod:`deferinit.planning`)::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        >>> recipe = Recipe(optimizer="sgd", optimizer_args={"lr": 0.1}, accumulate=2)
+        >>> m = plan_step(model, (torch.randn(4, 64),), {}, recipe)
+        >>> m.flops, m.recipe
+        (155648, ['SGD (lr=0.1)', 'gradient accumulation: 2 micro-batches per step'])
     """
     recipe = recipe or Recipe()
     kwargs = kwargs or {}

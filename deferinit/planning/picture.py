@@ -1,7 +1,7 @@
 """A picture of the step's memory over time: an SVG, or a self-contained HTML page.
 
 The picture shows what PyTorch's memory visualizer shows for a real run,
-from a :class:`~deferinit.cli.timeline.Timeline`: one device's memory
+from a :class:`~deferinit.planning.timeline.Timeline`: one device's memory
 after each update of the tracker, stacked by category (parameters,
 gradients, optimizer state, activations, temporaries...), with the stage
 of the step (forward, backward, optimizer step) and the module running
@@ -10,16 +10,6 @@ envelope: each of at most :data:`COLUMNS` columns shows the highest moment
 of the events it covers, so the peak is never smoothed away.  Hovering a
 column shows its figures (SVG ``<title>``); nothing is loaded from
 elsewhere.
-
-Example::
-
-    >>> from deferinit.cli.step import measure_step
-    >>> from deferinit.cli.timeline import Timeline
-    >>> timeline, model = Timeline(), torch.nn.Linear(64, 64)
-    >>> _ = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
-    >>> svg = timeline_svg(timeline, torch.device("cpu"), title="Linear(64, 64)")
-    >>> svg.startswith("<svg") and "peak" in svg
-    True
 """
 
 from __future__ import annotations
@@ -90,6 +80,16 @@ def timeline_svg(timeline, device, *, title: str = "", subtitle: str = "", row_o
 
     ``row_of(module_name)`` gives the label of the module band (default: the
     module's name without the root's); ``title`` and ``subtitle`` head it.
+    A device without events in ``timeline`` raises ValueError.
+
+    Example::
+
+        >>> from deferinit.planning import Timeline, measure_step
+        >>> timeline, model = Timeline(), torch.nn.Linear(64, 64)
+        >>> _ = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
+        >>> svg = timeline_svg(timeline, torch.device("cpu"), title="Linear(64, 64)")
+        >>> svg.startswith("<svg") and "peak" in svg
+        True
     """
     row_of = row_of or (lambda name: name.partition(".")[2] or name or "(outside any module)")
     events = [e for e in timeline.events if e[1] == device]
@@ -164,7 +164,17 @@ def timeline_svg(timeline, device, *, title: str = "", subtitle: str = "", row_o
 
 
 def timeline_html(timeline, device, *, title: str = "", subtitle: str = "", row_of=None, report: str = "") -> str:
-    """:func:`timeline_svg` in a self-contained HTML page, with ``report`` (text) below it."""
+    """:func:`timeline_svg` in a self-contained HTML page, with ``report`` (text) below it.
+
+    Example::
+
+        >>> from deferinit.planning import Timeline, measure_step
+        >>> timeline, model = Timeline(), torch.nn.Linear(64, 64)
+        >>> _ = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.SGD(model.parameters()), timeline=timeline)
+        >>> page = timeline_html(timeline, torch.device("cpu"), title="Linear", report="peak 49.0 KiB")
+        >>> page.startswith("<!DOCTYPE html>"), "<svg" in page, "<pre>peak 49.0 KiB</pre>" in page
+        (True, True, True)
+    """
     svg = timeline_svg(timeline, device, title=title, subtitle=subtitle, row_of=row_of)
     text = f"<pre>{html.escape(report)}</pre>" if report else ""
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title or "memory")}</title>'

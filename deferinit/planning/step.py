@@ -10,14 +10,8 @@ for a model sharded with FSDP2), FLOPs are
 On real tensors this measures the real step; inside ``deferinit.fake.fake_mode`` the
 same code measures the step of a deferred model without allocating, and the
 figures agree byte for byte (``tests/deferinit/test_plan.py``).
-
-Example::
-
-    >>> model = torch.nn.Linear(64, 64)
-    >>> opt = torch.optim.AdamW(model.parameters())
-    >>> m = measure_step(model, (torch.randn(8, 64),), {}, opt)
-    >>> m.peak[torch.device("cpu")]["Total"] > 0, m.flops
-    (True, 131072)
+:func:`measure_step` runs it; :func:`make_inputs` makes a step's inputs
+(token ids of the model's vocabulary, random tensors of given shapes).
 """
 
 from __future__ import annotations
@@ -33,10 +27,11 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.flop_counter import FlopCounterMode
 
-from deferinit.cli.foreach import ChunkedForeach
-from deferinit.cli.trackers import Flops, Tracker, fsdp_tracker, local_tensor
 from deferinit.fake.device import backend_device
 from deferinit.fake.errors import FakeDataAccessError
+
+from .foreach import ChunkedForeach
+from .trackers import Flops, Tracker, fsdp_tracker, local_tensor
 
 #: What each of PyTorch's memory categories counts, in the report's words.
 LABELS = {
@@ -64,6 +59,79 @@ COLUMNS = {
 _one_step_at_a_time = threading.RLock()
 
 
+def vocabulary(model: torch.nn.Module) -> int | None:
+    """The number of token ids ``model`` takes: its config's ``vocab_size``, else
+    the size of its first ``nn.Embedding`` (None: neither).
+
+    Example::
+
+        >>> vocabulary(torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 4)))
+        100
+    """
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            return m.num_embeddings
+    return None
+
+
+def make_inputs(model, batch=None, inputs=(), device=None) -> tuple[tuple, dict, torch.Tensor | None]:
+    """``(args, kwargs, token_ids)`` for one forward pass of ``model``.
+
+    ``batch`` ``(BATCH, SEQUENCE)``: random token ids of the model's
+    :func:`vocabulary`, passed as ``input_ids=`` and ``labels=`` when its
+    ``forward`` takes ``labels`` (transformers' models compute their own
+    loss), else as the first positional argument.  ``inputs``: ``(shape,
+    dtype)`` pairs, one positional argument each, random for a floating dtype
+    and zeros otherwise, the dtype None meaning the model's floating dtype.
+    ``device`` defaults to the device of the model's first parameter.  Made
+    inside ``fake_mode``, the inputs of a deferred model are fakes.  A batch
+    that is not two sizes, or token ids for a model without a vocabulary,
+    raise ValueError.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 4))
+        >>> args, kwargs, ids = make_inputs(model, batch=(2, 16))
+        >>> args[0].shape, args[0] is ids, kwargs
+        (torch.Size([2, 16]), True, {})
+        >>> [t.dtype for t in make_inputs(torch.nn.Linear(4, 4), inputs=[((3, 4), None)])[0]]
+        [torch.float32]
+    """
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    args, kwargs, ids = [], {}, None
+    if batch is not None:
+        if len(batch) != 2:
+            raise ValueError(f"batch is (BATCH, SEQUENCE) of token ids, e.g. (1, 4096), got {tuple(batch)}")
+        vocab = vocabulary(model)
+        if vocab is None:
+            raise ValueError(f"token ids need a vocabulary, and {type(model).__name__} has no nn.Embedding nor "
+                             "config.vocab_size; give other inputs as inputs=[(shape, dtype), ...]")
+        ids = torch.randint(0, vocab, batch, device=device)
+        if _accepts(model.forward, "labels"):
+            kwargs = {"input_ids": ids, "labels": ids}  # transformers: the model's own loss
+        else:
+            args.append(ids)
+    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    for shape, dtype in inputs:
+        dtype = dtype or floating
+        if dtype.is_floating_point:
+            args.append(torch.randn(shape, dtype=dtype, device=device))
+        else:
+            args.append(torch.zeros(shape, dtype=dtype, device=device))
+    return tuple(args), kwargs, ids
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def loss_of(output, token_ids=None) -> torch.Tensor:
     """The loss to back-propagate: the model's own (``output.loss``), else the
     cross entropy of logits against ``token_ids``, else the mean of the output."""
@@ -84,8 +152,21 @@ def loss_of(output, token_ids=None) -> torch.Tensor:
 class Measured:
     """What one step measured: ``peak`` is ``{device: {category: bytes, "Total": bytes}}``
     (category names as in PyTorch's ``_MemRefType`` / ``_FSDPRefType``), ``flops``
-    the step's total; ``tracker`` and ``counter`` are PyTorch's objects, for
-    per-module figures."""
+    the step's total; ``after`` is like ``peak`` once the step is done (what
+    stays between steps); ``tracker`` and ``counter`` are PyTorch's objects,
+    for per-module figures (:func:`deferinit.planning.step.module_peak`,
+    :func:`deferinit.planning.step.forward_flops`).
+
+    Example::
+
+        >>> model = torch.nn.Linear(64, 64)
+        >>> m = measure_step(model, (torch.randn(8, 64),), {}, torch.optim.AdamW(model.parameters()))
+        >>> cpu = torch.device("cpu")
+        >>> m.after[cpu]["PARAM"], m.after[cpu]["OPT"]   # weights and bias; AdamW's two moments and steps
+        (16640, 33288)
+        >>> forward_flops(m), m.flops   # backward: the weight's gradient only (the input needs none)
+        (65536, 131072)
+    """
 
     peak: dict
     flops: int
@@ -95,7 +176,7 @@ class Measured:
     after: dict  # like ``peak``, once the step is done: what stays between steps
     modules: list = dataclasses.field(default_factory=list)  # per micro-batch: the tracker's {module: stats}
     timeline: object = None  # the Timeline, when one was asked for
-    optimizer: object = None  # set by deferinit.cli.recipe.plan_step
+    optimizer: object = None  # set by deferinit.planning.recipe.plan_step
     recipe: list = dataclasses.field(default_factory=list)  # the recipe as text (plan_step)
 
 
@@ -113,11 +194,23 @@ def measure_step(model, args, kwargs, optimizer, *, token_ids=None, sharded: boo
     figures of each are kept in ``Measured.modules``.  ``autocast``: the
     forward pass and the loss run under ``torch.autocast`` with this dtype
     (mixed precision; the parameters stay as they are, the fp32 masters).
-    ``timeline``: a :class:`~deferinit.cli.timeline.Timeline` that records
+    ``timeline``: a :class:`~deferinit.planning.timeline.Timeline` that records
     the memory over time.  Steps measured from several threads are measured
     one after the other: PyTorch's trackers see modules through global
     module hooks, so modules another thread runs meanwhile outside
     ``measure_step`` would be counted too.
+
+    On real tensors this measures the real step; on a deferred model inside
+    ``fake_mode`` (the optimizer and inputs made there too) it plans it,
+    allocating nothing (see :mod:`deferinit.planning`).
+
+    Example::
+
+        >>> model = torch.nn.Linear(64, 64)
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> m = measure_step(model, (torch.randn(8, 64),), {}, opt)
+        >>> m.peak[torch.device("cpu")]["Total"] > 0, m.flops
+        (True, 131072)
     """
     if accumulate < 1:
         raise ValueError(f"accumulate must be at least 1, got {accumulate}")
