@@ -100,6 +100,11 @@ class FakeTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for t in types:
+            if not issubclass(t, FakeTensor):
+                # Beside a wrapper subclass of others (a quantized tensor, a
+                # DTensor): it goes first and calls back with its inner tensors.
+                return NotImplemented
         return handlers.for_args(args, kwargs).dispatch(func, args, kwargs or {}, None)
 
     # -- identity and printing -------------------------------------------------

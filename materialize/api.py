@@ -10,6 +10,7 @@ from deferinit.errors import AutogradMaterializationError
 from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
+from deferinit.wrappers import inner_tensors, wrapper_layers
 
 from .autograd import (
     Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
@@ -21,15 +22,15 @@ from .generators import hand_over_generators, records_of
 from .progress import start_progress
 from .replay import Replay
 from .sharded import materialize_sharded
-from .swap import dress, remember_real_storages, swap_all
+from .swap import dress, remember_real_storages, swap_in
 
 
-def _fake_of(t):
-    """The deferred fake behind ``t`` (itself, or a DTensor's local shard), or None."""
+def _fakes_of(t, name: str) -> list:
+    """``(label, fake)`` for the deferred fakes behind ``t``: itself, or those
+    inside a wrapper subclass (see :mod:`deferinit.wrappers`)."""
     if is_deferred_fake(t):
-        return t
-    local = getattr(t, "_local_tensor", None)
-    return local if is_deferred_fake(local) else None
+        return [(name, t)]
+    return [(name + path, x) for path, x in inner_tensors(t) if is_deferred_fake(x)]
 
 
 def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = False) -> torch.Tensor:
@@ -49,10 +50,10 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
         >>> materialize_tensor(w) is w, is_deferred(w)
         (True, False)
     """
-    fake = _fake_of(tensor)
-    if fake is None:
+    targets = _fakes_of(tensor, "tensor")
+    if not targets:
         return tensor
-    _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+    _materialize(targets, device=device, inference=inference, progress=False, wrappers=_wrappers_of(tensor, "tensor"))
     return tensor
 
 
@@ -99,10 +100,12 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    targets, left, beyond = _module_targets(module, buffers_only, check_fn)
+    targets, left, beyond, wrappers = _module_targets(module, buffers_only, check_fn)
     if targets:
-        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
-            _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
+        if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
+                                   wrappers=wrappers):
+            _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left,
+                         wrappers=wrappers)
     if beyond:
         names = ", ".join(beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
         warnings.warn(
@@ -115,33 +118,57 @@ def materialize_module(
 
 
 def _module_targets(module, buffers_only, check_fn):
-    """``(name, fake)`` for every deferred tensor the module holds (ties once);
+    """``(name, fake)`` for every deferred tensor the module holds (ties once;
+    a wrapper subclass's deferred inner tensors, named by their path);
     ``{id(fake): name}`` of the parameters ``buffers_only`` leaves; the names
-    of deferred tensors held beyond the walk (other objects' attributes)."""
-    targets, left, beyond = [], {}, []
-    seen = set()
+    of deferred tensors held beyond the walk (other objects' attributes); the
+    wrapper subclasses to rebuild, innermost first."""
+    targets, left, beyond, wrappers = [], {}, [], []
+    seen, seen_wrappers = set(), set()
     for prefix, sub in module.named_modules(remove_duplicate=False):
         if check_fn is not None and not check_fn(sub):
             continue
         held = holdings(sub, prefix)
         ordered = [x for x in held.tensors if x[2] == "parameter"] + [x for x in held.tensors if x[2] != "parameter"]
         for name, t, kind in ordered:
-            fake = _fake_of(t)
-            if fake is None or id(fake) in seen:
+            fakes = _fakes_of(t, name)
+            if not fakes:
                 continue
-            if buffers_only and (kind == "parameter" or fake.__dict__.get("_is_param")):
-                left.setdefault(id(fake), name)
+            if buffers_only and (kind == "parameter" or t.__dict__.get("_is_param")):
+                for label, fake in fakes:
+                    left.setdefault(id(fake), label)
                 continue
-            seen.add(id(fake))
-            targets.append((name, fake))
+            for label, fake in fakes:
+                if id(fake) not in seen:
+                    seen.add(id(fake))
+                    targets.append((label, fake))
+            for w in _wrappers_of(t, name):
+                if id(w) not in seen_wrappers:
+                    seen_wrappers.add(id(w))
+                    wrappers.append(w)
         for name, t in held.beyond:
-            fake = _fake_of(t)
-            if fake is not None and id(fake) not in seen:
+            if any(id(fake) not in seen for _, fake in _fakes_of(t, name)):
                 beyond.append(name)
-    return targets, left, beyond
+    return targets, left, beyond, wrappers
 
 
-def _materialize(targets, *, device, inference, progress, kept_deferred=None) -> None:
+def _wrappers_of(t, name: str) -> list:
+    """The wrapper subclasses ``t`` is made of, innermost first (see
+    :func:`deferinit.wrappers.wrapper_layers`); refused when one was computed
+    with autograd: rebuilt around its inner tensors it would be a leaf."""
+    layers = wrapper_layers(t)
+    for w in layers:
+        if w.grad_fn is not None:
+            raise AutogradMaterializationError(
+                f"{name} is a {type(w).__name__} computed with autograd ({type(w.grad_fn).__name__}) "
+                "from tensors that require grad; materialization rebuilds a wrapper subclass around "
+                "its inner tensors, which would lose that graph. Compute it after materializing, "
+                "or under torch.no_grad(). Nothing was changed."
+            )
+    return layers
+
+
+def _materialize(targets, *, device, inference, progress, kept_deferred=None, wrappers=()) -> None:
     binder = None
     if not inference and any(needs_graph(fake) or real_root_of(fake) for _, fake in targets):
         # Tensors computed from parameters with autograd: replay their graph
@@ -171,7 +198,7 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]
         pairs = _dressed(targets, reals, inference, binder, replay.retaken)
-        swap_all(pairs)
+        swap_in(pairs, wrappers)
     except BaseException:
         if shown is not None:
             shown.close(ok=False)

@@ -120,6 +120,61 @@ def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
 
 
+def swap_in(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()) -> None:
+    """:func:`swap_all` the ``(fake, dressed_real)`` pairs, then rebuild each wrapper
+    subclass around its inner tensors, now real (``wrappers`` innermost first);
+    all or nothing.
+
+    A wrapper (see :mod:`deferinit.wrappers`) was built around fakes: its
+    device, and whatever its constructor derived from them, describe the
+    fakes.  Its class's own ``__tensor_unflatten__`` builds it again from the
+    same inner objects, now real, and the rebuilt wrapper is swapped into the
+    old object, which keeps its identity, ``requires_grad`` and the attributes
+    its class does not set (``_is_param``, a user's tags), as eagerly.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> with deferred():
+        ...     t = TwoTensor(torch.zeros(2), torch.ones(2))
+        >>> materialize_tensor(t) is t, type(t).__name__, is_deferred(t), t.a.tolist()
+        (True, 'TwoTensor', False, [0.0, 0.0])
+    """
+    swap_all(pairs)
+    done = []
+    try:
+        for w in wrappers:
+            new = rebuilt(w)
+            swap(w, new)
+            done.append((w, new))
+    except BaseException as e:
+        for w, new in reversed(done):
+            swap(w, new)
+        for fake, real in reversed(pairs):
+            swap(fake, real)
+        if not isinstance(e, Exception):
+            raise
+        raise MaterializationError(
+            f"rebuilding a {type(w).__name__} around its materialized inner tensors failed "
+            f"({type(e).__name__}: {e}); nothing was changed"
+        ) from e
+
+
+def rebuilt(w: torch.Tensor) -> torch.Tensor:
+    """A new ``type(w)`` built by its ``__tensor_unflatten__`` from ``w``'s inner
+    objects and flatten context, with ``w``'s geometry, ``requires_grad`` and
+    the attributes of ``w`` the class does not set itself."""
+    names, ctx = w.__tensor_flatten__()
+    new = type(w).__tensor_unflatten__({name: getattr(w, name) for name in names}, ctx, w.size(), w.stride())
+    if new.requires_grad != w.requires_grad:
+        new.requires_grad_(w.requires_grad)
+    d = new.__dict__
+    for key, value in w.__dict__.items():
+        if key not in d:
+            d[key] = value
+    return new
+
+
 def remember_real_storages(reads, storages, reals) -> None:
     """After a swap: each recorded storage remembers its real memory and the
     head it reflects, so that its other tensors, materialized later, share it."""
