@@ -24,7 +24,7 @@ from .reads import READS, read, reads_memory
 from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
 from .subclass import accepting_fakes
-from .tensor import FakeTensor
+from .tensor import FakeTensor, dispatches_itself
 
 
 # Calls a function past its own torch-function prologue (what
@@ -230,7 +230,7 @@ class FakeDispatchMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for t in types:
-            if t is not torch.Tensor and not issubclass(t, FakeTensor):
+            if t is not torch.Tensor and dispatches_itself(t):
                 # A wrapper subclass of others (DTensor, a quantized tensor)
                 # handles its operators first and calls back with its inner
                 # tensors, as under PyTorch's own FakeTensorMode.

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from deferinit.errors import AutogradMaterializationError
-from deferinit.holdings import holdings
+from deferinit.holdings import attached, holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 from deferinit.wrappers import inner_tensors, wrapper_layers
@@ -41,7 +41,10 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
     now sees real memory with exactly the values eager construction would
     have produced.  A real or plain fake tensor is returned as it is, and a
     second call is a no-op.  ``device=`` materializes on another device than
-    the recorded one; ``inference=True`` gives inference tensors.
+    the recorded one; ``inference=True`` gives inference tensors.  A
+    wrapper subclass (a quantized tensor, a DTensor) is rebuilt around its
+    materialized inner tensors; the tensors a tensor carries as attributes
+    (bitsandbytes' ``SCB``) are materialized with it.
 
     Example::
 
@@ -51,9 +54,16 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
         (True, False)
     """
     targets = _fakes_of(tensor, "tensor")
+    wrappers = _wrappers_of(tensor, "tensor")
+    # What the tensor carries (bitsandbytes' SCB; see deferinit.holdings.attached).
+    for name, t in attached(tensor):
+        for label, fake in _fakes_of(t, name):
+            if all(fake is not f for _, f in targets):
+                targets.append((label, fake))
+        wrappers += [w for w in _wrappers_of(t, name) if all(w is not x for x in wrappers)]
     if not targets:
         return tensor
-    _materialize(targets, device=device, inference=inference, progress=False, wrappers=_wrappers_of(tensor, "tensor"))
+    _materialize(targets, device=device, inference=inference, progress=False, wrappers=wrappers)
     return tensor
 
 
