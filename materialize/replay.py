@@ -116,6 +116,7 @@ class Replay(GradCalls, Plan):
                 key = inp.value.key
                 uses[key] = uses.get(key, 0) + 1_000_000_000  # never freed
                 wanted.setdefault(id(key[0]), set()).add(key[1])
+                produced.setdefault(key, inp.value)
 
         env: dict = {}
         real_views: dict = {}

@@ -86,7 +86,7 @@ def reusable(replay, node, env, uses, produced, borrowed) -> bool:
     ``uses`` counts the reads still to come of each value (this node's
     included), ``produced`` gives the recorded geometry of node outputs,
     ``borrowed`` the ids of tensors the replay does not own (outside
-    tensors read by reference).
+    tensors read by reference), which may be the base of a view.
     """
     if (
         node.kind != "op"
@@ -109,7 +109,6 @@ def reusable(replay, node, env, uses, produced, borrowed) -> bool:
     if (
         out is None
         or type(t) is not torch.Tensor
-        or id(t) in borrowed
         or t.requires_grad
         or t.dtype != out.dtype
         or tuple(t.shape) != out.size
@@ -130,6 +129,8 @@ def reusable(replay, node, env, uses, produced, borrowed) -> bool:
         holders = 1
         del base
     del t
+    # An outside tensor is also held by its node (the record keeps it by
+    # reference): more references than env's, so never written.
     refs, storage_uses = _counts(env, key)
     return refs == SOLE[0] and storage_uses == SOLE[1] + holders
 

@@ -135,8 +135,7 @@ def swap_in(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()) -> None
     Example::
 
         >>> from torch.testing._internal.two_tensor import TwoTensor
-        >>> with deferred():
-        ...     t = TwoTensor(torch.zeros(2), torch.ones(2))
+        >>> t = deferred_init(lambda: TwoTensor(torch.zeros(2), torch.ones(2)))
         >>> materialize_tensor(t) is t, type(t).__name__, is_deferred(t), t.a.tolist()
         (True, 'TwoTensor', False, [0.0, 0.0])
     """

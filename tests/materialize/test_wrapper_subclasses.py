@@ -319,3 +319,37 @@ def test_an_outside_wrapper_next_to_a_deferred_tensor_after_the_block():
     assert type(d.x) is TwoTensor and is_deferred(d.x)
     materialize_module(d)
     assert torch.equal(d.x.a, expected.a) and torch.equal(d.x.b, expected.b)
+
+
+def test_a_quantized_model_is_replayed_one_weight_at_a_time(monkeypatch):
+    """One replay per wrapper (its inner tensors together), in the order of their
+    draws: the full-precision weights never exist all at once, as they would in
+    one replay of the record in order (every weight made before the first is
+    quantized)."""
+    import deferinit.materialize.sharded as sharded
+
+    replays = []
+    real_replay = sharded.Replay
+
+    def spy(reads, **kwargs):
+        replays.append(kwargs.get("labels"))
+        return real_replay(reads, **kwargs)
+
+    monkeypatch.setattr(sharded, "Replay", spy)
+
+    def quantize(model):
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight = nn.Parameter(Int8Rows.from_float(m.weight.detach()), requires_grad=False)
+        return model
+
+    torch.manual_seed(0)
+    eager = quantize(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8), nn.Linear(8, 4)))
+    torch.manual_seed(0)
+    with deferred():
+        d = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 8), nn.Linear(8, 4))
+    quantize(d)
+    materialize_module(d)
+    assert_same_wrapped(eager, d)
+    weights = [labels for labels in replays if any(".weight" in l for l in labels)]
+    assert weights == [[f"{i}.weight.qdata", f"{i}.weight.scale"] for i in range(3)]
