@@ -177,8 +177,10 @@ def test_torchtune_qlora_builders(family):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_every_torchtune_qlora_builder_defers():
-    """The full-size builders (7B to 70B), deferred: no memory, every base weight NF4."""
+    """The full-size builders (7B to 70B), deferred: no memory, every base weight NF4
+    (some ten minutes: each base weight's NF4 conversion is recorded op by op)."""
     tune = _torchtune()
     import pkgutil
 
