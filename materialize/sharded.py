@@ -37,10 +37,10 @@ from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
 
 from .autograd import needs_graph, real_root_of
 
-from .generators import hand_over_generators, records_of
+from .generators import committed_then_handed_over, records_of
 from .progress import start_progress
 from .replay import Replay
-from .swap import dress, remember_real_storages, swap_in
+from .swap import Swaps, dress
 
 
 def _holds_wrappers(module: torch.nn.Module) -> bool:
@@ -134,6 +134,17 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
 
     shown = start_progress(progress, asked)
     asked = {id(f) for f in asked}
+    committed_then_handed_over(
+        lambda hand: _compute_and_swap(hand, units, streams, records, device, inference, shown, asked, wrappers),
+        device,
+    )
+    return True
+
+
+def _compute_and_swap(hand, units, streams, records, device, inference, shown, asked, wrappers=()) -> None:
+    """Every group computed, then all swapped in (see
+    :class:`~deferinit.materialize.generators.HandOver`); the fakes swapped out
+    die with this frame."""
     computed = []  # (group, reads, reals, compacted)
     try:
         for group in units:
@@ -150,32 +161,36 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
             del replay
             computed.append((group, reads, *_compact(group, reals)))
             del reals
-        _swap_in(computed, inference, wrappers)
+        _swap_in(hand, computed, inference, streams, records, wrappers)
     except BaseException:
         if shown is not None:
             shown.close(ok=False)
         raise
     if shown is not None:
         shown.close()
-    # The fakes swapped out are gone with `computed` (see api._materialize).
-    del computed
-    hand_over_generators(streams.values(), device, records)
-    return True
 
 
-def _swap_in(computed, inference, wrappers=()) -> None:
-    """Swap every group's results in and rebuild the wrappers around them (DTensors),
-    all or nothing, and remember the real storages."""
+def _swap_in(hand, computed, inference, streams, records, wrappers=()) -> None:
+    """Swap every group's results in, rebuild the wrappers around them (DTensors, quantized
+    tensors) and remember the real storages, all or nothing."""
     pairs = []
     for group, _, reals, _ in computed:
         for (_, fake), real in zip(group, reals):
             pairs.append((fake, dress(fake, real, inference)))
     storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
-    swap_in(pairs, wrappers)
-    for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
-        if compacted:
-            continue  # nothing else can read that storage (see _compact)
-        remember_real_storages(reads, group_storages, [fake for _, fake in group])
+    swaps = Swaps(pairs, wrappers)
+    try:
+        swaps.run()
+        for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
+            if compacted:
+                continue  # nothing else can read that storage (see _compact)
+            swaps.remember(reads, group_storages, [fake for _, fake in group])
+        hand.streams, hand.records = list(streams.values()), records
+        hand.committed = True
+    except BaseException:
+        if not hand.committed:
+            swaps.undo()
+        raise
 
 
 def groups(module, targets, wrappers=()) -> list[list]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import AutogradMaterializationError, MaterializationError
-from deferinit.fake.assign import exchange
+from deferinit.fake.assign import _hooks_follow, exchange
 from deferinit.fake.tensor import INTERNAL_ATTRS
 
 from .autograd import grad_fn_of, is_grad_view
@@ -107,56 +107,105 @@ def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     exchange(t1, t2)
 
 
-def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Swap each ``(fake, dressed_real)`` pair; undo everything if one fails."""
-    done = []
-    try:
-        for fake, real in pairs:
-            swap(fake, real)
-            done.append((fake, real))
-    except Exception as e:
-        for fake, real in reversed(done):
-            swap(fake, real)
-        raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+class Swaps:
+    """The swaps of one materialization and what they change besides, all or nothing.
 
+    Before anything is swapped, each object's class, ``__dict__`` and C++
+    tensor are noted; :meth:`undo` puts every object back by comparing what
+    it holds now with those notes, so it undoes exactly what was done,
+    whatever line an interrupt stopped at (in the middle of one exchange
+    too: its class swapped and its C++ tensor not yet).  The storages
+    remembered real (:meth:`remember`) get their earlier memory back.
 
-def swap_in(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()) -> None:
-    """:func:`swap_all` the ``(fake, dressed_real)`` pairs, then rebuild each wrapper
-    subclass around its inner tensors, now real (``wrappers`` innermost first);
-    all or nothing.
-
-    A wrapper (see :mod:`deferinit.wrappers`) was built around fakes: its
-    device, and whatever its constructor derived from them, describe the
-    fakes.  Its class's own ``__tensor_unflatten__`` builds it again from the
-    same inner objects, now real, and the rebuilt wrapper is swapped into the
-    old object, which keeps its identity, ``requires_grad`` and the attributes
-    its class does not set (``_is_param``, a user's tags), as eagerly.
+    ``wrappers`` (innermost first) are the wrapper subclasses (see
+    :mod:`deferinit.wrappers`) built around the fakes: their device, and
+    whatever their constructor derived from the fakes, describe fakes.  Once
+    the pairs are swapped, each class's own ``__tensor_unflatten__`` builds
+    the wrapper again from the same inner objects, now real (:func:`rebuilt`),
+    and that is swapped into the old object, which keeps its identity,
+    ``requires_grad`` and the attributes its class does not set
+    (``_is_param``, a user's tags), as eagerly; undone with the rest.
 
     Example::
 
+        >>> a, b = torch.zeros(2), torch.ones(3)
+        >>> swaps = Swaps([(a, b)])
+        >>> swaps.run(); a.shape
+        torch.Size([3])
+        >>> swaps.undo(); a.shape, b.shape
+        (torch.Size([2]), torch.Size([3]))
         >>> from torch.testing._internal.two_tensor import TwoTensor
         >>> t = deferred_init(lambda: TwoTensor(torch.zeros(2), torch.ones(2)))
         >>> materialize_tensor(t) is t, type(t).__name__, is_deferred(t), t.a.tolist()
         (True, 'TwoTensor', False, [0.0, 0.0])
     """
-    swap_all(pairs)
-    done = []
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()):
+        self.pairs = list(pairs)
+        self.before = [_noted(a, b) for a, b in self.pairs]
+        self.wrappers = list(wrappers)
+        self.storages: list = []
+
+    def run(self) -> None:
+        """Swap each ``(fake, dressed_real)`` pair, then rebuild the wrappers around
+        them; undo everything if one fails."""
+        try:
+            for fake, real in list(self.pairs):
+                swap(fake, real)
+        except Exception as e:
+            self.undo()
+            raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+        w = None
+        try:
+            for w in self.wrappers:
+                new = rebuilt(w)
+                # Noted before the swap: an interrupt between the two leaves
+                # a note without a pair (zip ignores it) or a pair not swapped.
+                self.before.append(_noted(w, new))
+                self.pairs.append((w, new))
+                swap(w, new)
+        except Exception as e:
+            self.undo()
+            raise MaterializationError(
+                f"rebuilding a {type(w).__name__} around its materialized inner tensors failed "
+                f"({type(e).__name__}: {e}); nothing was changed"
+            ) from e
+
+    def remember(self, reads, storages, reals) -> None:
+        """:func:`remember_real_storages`, undone by :meth:`undo`."""
+        self.storages.extend((s, s.real, s.real_head) for s in storages)
+        remember_real_storages(reads, storages, reals)
+
+    def undo(self) -> None:
+        """Put every object and storage back as before (idempotent)."""
+        for storage, real, head in reversed(self.storages):
+            storage.real, storage.real_head = real, head
+        # The wrappers (noted last) first: each was rebuilt from inner tensors swapped before it.
+        for (a, b), (cls_a, dict_a, cdata_a, cls_b, dict_b) in reversed(list(zip(self.pairs, self.before))):
+            if a._cdata != cdata_a:
+                torch._C._swap_tensor_impl(a, b)
+            if a.__dict__ is not dict_a:
+                a.__dict__, b.__dict__ = dict_a, dict_b
+            if type(a) is not cls_a or type(b) is not cls_b:
+                a.__class__, b.__class__ = cls_a, cls_b
+            _hooks_follow(a, b)
+
+
+def _noted(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return type(a), a.__dict__, a._cdata, type(b), b.__dict__
+
+
+def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()) -> Swaps:
+    """Swap each ``(fake, dressed_real)`` pair and rebuild ``wrappers`` around them
+    (see :class:`Swaps`); undo everything if one fails.  Returns the
+    :class:`Swaps`, whose ``undo`` puts them back."""
+    swaps = Swaps(pairs, wrappers)
     try:
-        for w in wrappers:
-            new = rebuilt(w)
-            swap(w, new)
-            done.append((w, new))
-    except BaseException as e:
-        for w, new in reversed(done):
-            swap(w, new)
-        for fake, real in reversed(pairs):
-            swap(fake, real)
-        if not isinstance(e, Exception):
-            raise
-        raise MaterializationError(
-            f"rebuilding a {type(w).__name__} around its materialized inner tensors failed "
-            f"({type(e).__name__}: {e}); nothing was changed"
-        ) from e
+        swaps.run()
+    except BaseException:
+        swaps.undo()
+        raise
+    return swaps
 
 
 def rebuilt(w: torch.Tensor) -> torch.Tensor:
