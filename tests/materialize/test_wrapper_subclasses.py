@@ -234,6 +234,54 @@ def test_a_failed_rebuild_changes_nothing():
     assert type(m.bad) is _Unrebuildable
 
 
+class _InterruptedRebuild(TwoTensor):
+    """Its __tensor_unflatten__ is interrupted (Ctrl-C) while ``armed``."""
+
+    armed = False
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        if _InterruptedRebuild.armed:
+            raise KeyboardInterrupt
+        return _InterruptedRebuild(inner["a"], inner["b"])
+
+
+def _two_wrapped(device="cpu"):
+    m = nn.Module()
+    m.first = nn.Parameter(TwoTensor(torch.randn(3, device=device), torch.randn(3, device=device)))
+    m.second = nn.Parameter(_InterruptedRebuild(torch.randn(3, device=device), torch.randn(3, device=device)))
+    return m
+
+
+def test_an_interrupt_while_rebuilding_puts_back_the_wrappers_already_rebuilt():
+    """``first`` is rebuilt and swapped in before ``second``'s rebuild is
+    interrupted: the wrapper object ``first`` is again the one built around
+    its fakes (recorded for cuda, it says cuda, not the cpu it was being
+    rebuilt on), nothing is real, the generator is untouched, and a later
+    call equals eager."""
+    torch.manual_seed(0)
+    eager = _two_wrapped()
+    eager_next = torch.rand(4)
+    torch.manual_seed(0)
+    with deferred():
+        m = _two_wrapped("cuda")
+    first, first_a = m.first, m.first.a
+    state = torch.get_rng_state()
+    _InterruptedRebuild.armed = True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            materialize_module(m, device="cpu")
+    finally:
+        _InterruptedRebuild.armed = False
+    assert first.device.type == "cuda" and m.second.device.type == "cuda"
+    assert m.first is first and type(first) is type(eager.first) and first.a is first_a
+    assert is_fake(first.a) and is_fake(m.second.a) and is_deferred(m.first) and is_deferred(m.second)
+    assert torch.equal(torch.get_rng_state(), state)
+    materialize_module(m, device="cpu")
+    assert torch.equal(torch.rand(4), eager_next)
+    assert_same_wrapped(eager, m)
+
+
 def test_a_wrapper_computed_with_autograd_is_refused():
     """Rebuilt from its inner tensors it would be a leaf: eager's graph would be lost."""
     table = TwoTensor(torch.ones(3), torch.full((3,), 3.0))
