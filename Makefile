@@ -39,6 +39,7 @@ $(VENV)/.test: pyproject.toml $(VENV)/.torch
 	$(PIP) install --quiet --disable-pip-version-check -e '.[test]'
 	$(MAKE) --no-print-directory $(VENV)/.titan
 	$(MAKE) --no-print-directory $(VENV)/.lightning
+	$(MAKE) --no-print-directory $(VENV)/.tune
 	touch $@ $(VENV)/.base
 
 # torchtitan requires a torch of its own choosing (and datasets, wandb, ...):
@@ -61,6 +62,18 @@ LIGHTNING_PINS := lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9
 $(VENV)/.lightning: | $(VENV)/.torch
 	$(PIP) install --quiet --disable-pip-version-check --no-deps $(LIGHTNING_PINS) \
 		|| echo "warning: lightning/litgpt not installed; their tests will skip"
+	touch $@
+
+# torchtune 0.6.1 (its QLoRA builders) pins torchdata, which requires an
+# unpinned torch: those two without dependencies, what torchtune imports
+# besides from PyPI as usual (none of it needs torch). Optional: its tests
+# skip with a reason if this step fails.
+TUNE_PINS := torchtune==0.6.1 torchdata==0.11.0
+TUNE_DEPS := datasets==5.2.0 omegaconf==2.4.0 sentencepiece==0.2.3 tiktoken==0.14.0 blobfile==3.3.0 kagglehub==1.0.3
+$(VENV)/.tune: | $(VENV)/.torch
+	($(PIP) install --quiet --disable-pip-version-check $(TUNE_DEPS) \
+		&& $(PIP) install --quiet --disable-pip-version-check --no-deps $(TUNE_PINS)) \
+		|| echo "warning: torchtune not installed; its tests will skip"
 	touch $@
 
 demo: $(VENV)/.base

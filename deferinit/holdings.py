@@ -21,6 +21,11 @@ and each object once per walk (``seen`` may be shared by the walks of a
 whole module tree).  A deferred tensor there is still a deferred tensor of
 the module: ``is_deferred`` says so and ``materialize_module`` makes it
 real with the rest.
+
+A held tensor's own attributes belong to it (:func:`attached`): a class that
+converts its data keeps what the conversion made there (bitsandbytes'
+``Int8Params.SCB``, the ``absmax`` of a ``Params4bit``'s ``quant_state``),
+and they are held with it, under its kind.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import functools
 import types
 
 import torch
+
+from deferinit.fake.tensor import INTERNAL_ATTRS
 
 _CONTAINERS = (list, tuple, dict, set, frozenset)
 # Module internals walked by other means (submodules) or named otherwise.
@@ -90,6 +97,57 @@ def holdings(module: torch.nn.Module, prefix: str = "", seen: set | None = None)
     for key, value in list(vars(module).items()):
         if key not in _SKIP:
             walk.held(dot + key, value)
+    for name, t, kind in list(found.tensors):
+        for item_name, item in attached(t, name):
+            found.tensors.append((item_name, item, kind))
+    return found
+
+
+# How deep the objects a tensor carries are walked (a QuantState's nested
+# state2 is two levels down).
+_ATTACHED_DEPTH = 3
+
+
+def attached(t: torch.Tensor, name: str = "tensor") -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for the tensors ``t`` carries in its attributes: directly,
+    in plain containers, and in the attributes of plain objects it holds
+    (a few levels deep; modules and classes are not entered).
+
+    Example::
+
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> w.scale = torch.ones(1); w.state = type("State", (), {})(); w.state.absmax = torch.ones(1)
+        >>> [n for n, _ in attached(w, "weight")]
+        ['weight.scale', 'weight.state.absmax']
+    """
+    found: list = []
+    seen: set = {id(t)}
+
+    def visit(item_name, value, depth):
+        if id(value) in seen or isinstance(value, (torch.nn.Module, type)):
+            return
+        if isinstance(value, torch.Tensor):
+            seen.add(id(value))
+            found.append((item_name, value))
+            attrs(item_name, value, depth + 1)
+        elif isinstance(value, _CONTAINERS):
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in list(items):
+                visit(f"{item_name}[{k!r}]", v, depth)
+        elif depth < _ATTACHED_DEPTH:
+            seen.add(id(value))
+            attrs(item_name, value, depth + 1)
+
+    def attrs(owner_name, owner, depth):
+        d = getattr(owner, "__dict__", None)
+        if type(d) is not dict:
+            return
+        for key, value in list(d.items()):
+            if key not in INTERNAL_ATTRS and not isinstance(value, (int, float, str, bool, type(None))):
+                visit(f"{owner_name}.{key}", value, depth)
+
+    attrs(name, t, 0)
     return found
 
 

@@ -16,6 +16,7 @@ from .errors import UnsupportedModeError
 from .holdings import module_tensors
 from .record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
+from .wrappers import deferred_inside
 
 
 def deferred_init(module_fn, *args, **kwargs):
@@ -146,7 +147,9 @@ def is_deferred(obj) -> bool:
     """Whether ``obj`` still has recorded tensors to materialize.
 
     For a tensor: it is a fake whose recipe was recorded by
-    :func:`deferred_init` (a DTensor whose local shard is such a fake counts).
+    :func:`deferred_init`, or a wrapper subclass with such a fake inside (a
+    DTensor's local shard, a quantized tensor's data; see
+    :mod:`deferinit.wrappers`).
     For a module: any tensor it or its submodules hold is (parameters,
     buffers, plain attributes and the tensors in lists, tuples and dicts
     they hold; see :func:`deferinit.holdings.holdings`).
@@ -159,7 +162,7 @@ def is_deferred(obj) -> bool:
         (True, True, False)
     """
     if isinstance(obj, torch.Tensor):
-        return is_deferred_fake(obj) or is_deferred_fake(getattr(obj, "_local_tensor", None))
+        return is_deferred_fake(obj) or deferred_inside(obj)
     if isinstance(obj, torch.nn.Module):
         return any(is_deferred(t) for t in _tensors(obj))
     raise ValueError(

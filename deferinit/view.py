@@ -20,15 +20,16 @@ from .recorder import is_deferred_fake
 from .plan import Plan, read_of
 from .text import tensor_text
 from .holdings import module_tensors
+from .wrappers import inner_tensors
 
 
 def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
     """``(name, deferred fake)`` pairs of a module (parameters, buffers,
-    plain tensor attributes and what other objects it holds keep, DTensor
-    local shards included, ties once) or of a single tensor."""
+    plain tensor attributes and what other objects it holds keep, the inner
+    tensors of wrapper subclasses such as DTensor's local shards included,
+    ties once) or of a single tensor."""
     if isinstance(obj, torch.Tensor):
-        fake = obj if is_deferred_fake(obj) else getattr(obj, "_local_tensor", None)
-        return [("tensor", fake)] if is_deferred_fake(fake) else []
+        return _fakes_of(obj, "tensor")
     if not isinstance(obj, torch.nn.Module):
         raise ValueError(f"expected a tensor or an nn.Module, got {type(obj).__name__}")
     seen = set()
@@ -37,11 +38,17 @@ def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
         for name, t, kind, _ in module_tensors(obj):
             if kind not in kinds:
                 continue
-            fake = t if is_deferred_fake(t) else getattr(t, "_local_tensor", None)
-            if is_deferred_fake(fake) and id(fake) not in seen:
-                seen.add(id(fake))
-                found.append((name, fake))
+            for label, fake in _fakes_of(t, name):
+                if id(fake) not in seen:
+                    seen.add(id(fake))
+                    found.append((label, fake))
     return found
+
+
+def _fakes_of(t, name: str) -> list:
+    if is_deferred_fake(t):
+        return [(name, t)]
+    return [(name + path, x) for path, x in inner_tensors(t) if is_deferred_fake(x)]
 
 
 class Graph:

@@ -20,6 +20,7 @@ import torch
 from deferinit.fake.calls import library_call  # noqa: F401 (re-exported)
 
 from .record import current_record
+from .wrappers import inner_tensors
 
 
 def constructing() -> str:
@@ -51,13 +52,13 @@ def recording() -> str:
 
 def tensor_names(module: torch.nn.Module) -> dict[int, str]:
     """``id(tensor) -> qualified name`` for every parameter and buffer of ``module``
-    (the first name of a tied tensor), DTensor local shards included."""
+    (the first name of a tied tensor), the inner tensors of wrapper subclasses
+    (a DTensor's local shard, a quantized tensor's data) under their wrapper's."""
     names: dict[int, str] = {}
     for name, t in _named_tensors(module):
         names.setdefault(id(t), name)
-        local = getattr(t, "_local_tensor", None)
-        if isinstance(local, torch.Tensor):
-            names.setdefault(id(local), name)
+        for _, inner in inner_tensors(t):
+            names.setdefault(id(inner), name)
     return names
 
 

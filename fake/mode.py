@@ -36,7 +36,7 @@ from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
 from .guard import Entry
 from .subclass import accepting_fakes
-from .tensor import REPORTED, FakeTensor, reported
+from .tensor import REPORTED, FakeTensor, dispatches_itself, reported
 
 
 # Calls a function past its own torch-function prologue (what
@@ -274,10 +274,12 @@ class FakeDispatchMode(TorchDispatchMode):
         self.yields = yields
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.yields:
-            for t in types:
-                if t is not torch.Tensor and not issubclass(t, FakeTensor):
-                    return NotImplemented  # DTensor & co. first: they call back with fakes
+        for t in types:
+            if t is not torch.Tensor and dispatches_itself(t):
+                # A wrapper subclass of others (DTensor, a quantized tensor)
+                # handles its operators first and calls back with its inner
+                # tensors, as under PyTorch's own FakeTensorMode.
+                return NotImplemented
         kwargs = kwargs or {}
         handler = handlers.for_args(args, kwargs)
         if handler is handlers.plain():

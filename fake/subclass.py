@@ -83,12 +83,35 @@ def remember_class(fake: FakeTensor, cls) -> None:
         d.pop("_is_param", None)
 
 
+# Methods of FakeTensor that a subclass's own version overrides on its fakes:
+# moving between devices, which some classes make a conversion (bitsandbytes'
+# Int8Params and Params4bit quantize on .to()).  Eagerly the class's method
+# runs; on a fake it runs too, and what it computes is recorded like any op.
+_OWN_MOVES = ("to", "cuda", "cpu")
+
+
+def _own_moves(cls) -> dict:
+    """``{name: function}`` for the device moves ``cls`` defines itself (below
+    ``nn.Parameter`` and ``torch.Tensor``)."""
+    found = {}
+    for name in _OWN_MOVES:
+        for klass in cls.__mro__:
+            if klass in (Parameter, torch.Tensor, torch._C.TensorBase, object) or issubclass(FakeTensor, klass):
+                break
+            if name in vars(klass):
+                found[name] = vars(klass)[name]
+                break
+    return found
+
+
 def fake_class(cls):
     """The class of a fake that is also a ``cls``: ``FakeTensor`` first, so that
-    every operation stays fake."""
+    every operation stays fake, except the device moves ``cls`` defines itself
+    (a conversion, such as a quantization on ``.to()``), which run as eagerly."""
     made = _classes.get(cls)
     if made is None:
         namespace = {"__module__": __name__, "__qualname__": f"fake_class({cls.__qualname__})", "_fake_class_of": cls}
+        namespace.update(_own_moves(cls))
         if issubclass(cls, UninitializedTensorMixin):
             namespace["materialize"] = _materialize
             namespace["__repr__"] = UninitializedTensorMixin.__repr__

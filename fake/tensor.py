@@ -11,6 +11,7 @@ but holds no bytes, is the fake's storage (see :mod:`deferinit.fake.storage`).
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -124,6 +125,11 @@ class FakeTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        for t in types:
+            if t is not cls and dispatches_itself(t):
+                # Beside a wrapper subclass of others (a quantized tensor, a
+                # DTensor): it goes first and calls back with its inner tensors.
+                return NotImplemented
         return handlers.for_args(args, kwargs).dispatch(func, args, kwargs or {}, None)
 
     # -- identity and printing -------------------------------------------------
@@ -305,6 +311,29 @@ class FakeTensor(torch.Tensor):
             describe(self),
             "Materialize the tensor first, or save its shape and dtype instead.",
         )
+
+
+_DEFAULT_DISPATCH = torch.Tensor.__torch_dispatch__
+_DISPATCHES_ITSELF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def dispatches_itself(cls) -> bool:
+    """Whether tensor class ``cls`` has a ``__torch_dispatch__`` of someone else's:
+    not torch's default, and not a fake's (a wrapper subclass such as a
+    quantized tensor or a DTensor, which handles its operators itself).
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> dispatches_itself(TwoTensor), dispatches_itself(torch.nn.Parameter), dispatches_itself(FakeTensor)
+        (True, False, False)
+    """
+    known = _DISPATCHES_ITSELF.get(cls)
+    if known is None:
+        own = getattr(cls, "__torch_dispatch__", _DEFAULT_DISPATCH)
+        known = own is not _DEFAULT_DISPATCH and not issubclass(cls, FakeTensor)
+        _DISPATCHES_ITSELF[cls] = known
+    return known
 
 
 def _read_only(array, real: torch.Tensor):

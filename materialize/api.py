@@ -10,9 +10,10 @@ from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry
 from deferinit.fake.locking import locked
 from deferinit.fake.tensor import is_fake
-from deferinit.holdings import holdings
+from deferinit.holdings import attached, holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
+from deferinit.wrappers import inner_tensors, wrapper_layers
 
 from .autograd import (
     Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
@@ -27,12 +28,12 @@ from .sharded import materialize_sharded
 from .swap import Swaps, dress
 
 
-def _fake_of(t):
-    """The deferred fake behind ``t`` (itself, or a DTensor's local shard), or None."""
+def _fakes_of(t, name: str) -> list:
+    """``(label, fake)`` for the deferred fakes behind ``t``: itself, or those
+    inside a wrapper subclass (see :mod:`deferinit.wrappers`)."""
     if is_deferred_fake(t):
-        return t
-    local = getattr(t, "_local_tensor", None)
-    return local if is_deferred_fake(local) else None
+        return [(name, t)]
+    return [(name + path, x) for path, x in inner_tensors(t) if is_deferred_fake(x)]
 
 
 def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = False) -> torch.Tensor:
@@ -43,8 +44,11 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
     now sees real memory with exactly the values eager construction would
     have produced.  A real or plain fake tensor is returned as it is, and a
     second call is a no-op (also one that waited for another thread's
-    materialization of the same tensor).  ``device=`` materializes on another device than
-    the recorded one; ``inference=True`` gives inference tensors.
+    materialization of the same tensor).  ``device=`` materializes on another
+    device than the recorded one; ``inference=True`` gives inference tensors.
+    A wrapper subclass (a quantized tensor, a DTensor) is rebuilt around its
+    materialized inner tensors; the tensors a tensor carries as attributes
+    (bitsandbytes' ``SCB``) are materialized with it.
 
     Example::
 
@@ -59,12 +63,19 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
 
 
 def _materialize_tensor(tensor, device, inference) -> None:
-    fake = _fake_of(tensor)
-    if fake is None:
+    targets = _fakes_of(tensor, "tensor")
+    wrappers = _wrappers_of(tensor, "tensor")
+    # What the tensor carries (bitsandbytes' SCB; see deferinit.holdings.attached).
+    for name, t in attached(tensor):
+        for label, fake in _fakes_of(t, name):
+            if all(fake is not f for _, f in targets):
+                targets.append((label, fake))
+        wrappers += [w for w in _wrappers_of(t, name) if all(w is not x for x in wrappers)]
+    if not targets:
         return
     entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
     try:
-        _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+        _materialize(targets, device=device, inference=inference, progress=False, wrappers=wrappers)
     except BaseException:
         entry.restore()
         raise
@@ -124,15 +135,15 @@ def materialize_module(
 def _materialize_module(module, buffers_only, check_fn, device, inference, progress) -> None:
     # The targets are what is still deferred once no other thread is
     # materializing: tensors another call made real meanwhile are done.
-    targets, left, counted = _module_targets(module, buffers_only, check_fn)
+    targets, left, counted, wrappers = _module_targets(module, buffers_only, check_fn)
     slots = _script_slots(module)
     if targets:
         entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
         try:
             if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
-                                       counted=counted):
+                                       counted=counted, wrappers=wrappers):
                 _materialize(targets, device=device, inference=inference, progress=progress,
-                             kept_deferred=left, counted=counted)
+                             kept_deferred=left, counted=counted, wrappers=wrappers)
         except BaseException:
             entry.restore()
             raise
@@ -152,18 +163,20 @@ def _script_slots(module) -> list:
     for _, sub in module.named_modules(remove_duplicate=False):
         if isinstance(sub, torch.jit.ScriptModule):
             for name, t in (*sub._parameters.items(), *sub._buffers.items()):
-                if t is not None and _fake_of(t) is t:
+                if t is not None and is_deferred_fake(t):
                     found.append((sub, name, t))
     return found
 
 
 def _module_targets(module, buffers_only, check_fn):
-    """``(name, fake)`` for every deferred tensor the module holds (ties once);
+    """``(name, fake)`` for every deferred tensor the module holds (ties once;
+    a wrapper subclass's deferred inner tensors, named by their path);
     ``{id(fake): name}`` of the parameters ``buffers_only`` leaves; the fakes
     progress counts: all but those other objects keep on the memory of a
-    tensor the module holds (FSDP2's padded shards: aliases, not more work)."""
-    targets, left = [], {}
-    seen = set()
+    tensor the module holds (FSDP2's padded shards: aliases, not more work);
+    the wrapper subclasses to rebuild, innermost first."""
+    targets, left, wrappers = [], {}, []
+    seen, seen_wrappers = set(), set()
     beyond = set()
     walked: set = set()  # objects beyond the modules, walked once for the tree
     held = [
@@ -177,33 +190,56 @@ def _module_targets(module, buffers_only, check_fn):
     lists += [[(name, t, "beyond") for name, t in h.beyond] for _, h in held]
     for tensors in lists:
         for name, t, kind in tensors:
-            fake = _fake_of(t)
-            if fake is None or id(fake) in seen:
+            fakes = _fakes_of(t, name)
+            if not fakes:
                 continue
-            if buffers_only and (kind == "parameter" or fake.__dict__.get("_is_param")):
-                left.setdefault(id(fake), name)
+            if buffers_only and (kind == "parameter" or t.__dict__.get("_is_param")):
+                for label, fake in fakes:
+                    left.setdefault(id(fake), label)
                 continue
-            seen.add(id(fake))
-            targets.append((name, fake))
-            if kind == "beyond":
-                beyond.add(id(fake))
+            for label, fake in fakes:
+                if id(fake) not in seen:
+                    seen.add(id(fake))
+                    targets.append((label, fake))
+                    if kind == "beyond":
+                        beyond.add(id(fake))
+            for w in _wrappers_of(t, name):
+                if id(w) not in seen_wrappers:
+                    seen_wrappers.add(id(w))
+                    wrappers.append(w)
     own = {id(f._storage) for _, f in targets if id(f) not in beyond}
     counted = [f for _, f in targets if id(f) not in beyond or id(f._storage) not in own]
-    return targets, left, counted
+    return targets, left, counted, wrappers
 
 
-def _materialize(targets, *, device, inference, progress, kept_deferred=None, counted=None) -> None:
+def _wrappers_of(t, name: str) -> list:
+    """The wrapper subclasses ``t`` is made of, innermost first (see
+    :func:`deferinit.wrappers.wrapper_layers`); refused when one was computed
+    with autograd: rebuilt around its inner tensors it would be a leaf."""
+    layers = wrapper_layers(t)
+    for w in layers:
+        if w.grad_fn is not None:
+            raise AutogradMaterializationError(
+                f"{name} is a {type(w).__name__} computed with autograd ({type(w.grad_fn).__name__}) "
+                "from tensors that require grad; materialization rebuilds a wrapper subclass around "
+                "its inner tensors, which would lose that graph. Compute it after materializing, "
+                "or under torch.no_grad(). Nothing was changed."
+            )
+    return layers
+
+
+def _materialize(targets, *, device, inference, progress, kept_deferred=None, counted=None, wrappers=()) -> None:
     committed_then_handed_over(
         lambda hand: _swap_in(hand, targets, device=device, inference=inference, progress=progress,
-                              kept_deferred=kept_deferred, counted=counted),
+                              kept_deferred=kept_deferred, counted=counted, wrappers=wrappers),
         device,
     )
 
 
-def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, counted=None) -> None:
-    """Compute ``targets`` and swap them in, all or nothing (see
-    :class:`~deferinit.materialize.generators.HandOver`); the fakes swapped out
-    die with this frame."""
+def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, counted=None, wrappers=()) -> None:
+    """Compute ``targets`` and swap them in, rebuilding ``wrappers`` around them, all
+    or nothing (see :class:`~deferinit.materialize.generators.HandOver`); the
+    fakes swapped out die with this frame."""
     binder = None
     if not inference and any(needs_graph(fake) or real_root_of(fake) for _, fake in targets):
         # Tensors computed from parameters with autograd: replay their graph
@@ -239,7 +275,7 @@ def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, count
         for storage, (_, real) in zip(storages, pairs):
             if storage.shared:  # share_memory_() while deferred (model.share_memory())
                 real.share_memory_()
-        swaps = Swaps(pairs)
+        swaps = Swaps(pairs, wrappers)
         kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
         try:
             swaps.run()

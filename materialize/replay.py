@@ -32,6 +32,7 @@ from .autograd import real_root
 from .gradcalls import GradCalls
 from .draws import Draws
 from .modes import check_sources, run_marked, scratch_for
+from .reuse import in_place_variant, reusable
 
 __all__ = ["Replay", "read_of"]
 
@@ -101,22 +102,27 @@ class Replay(GradCalls, Plan):
         check_sources(self)
         uses: dict = {}
         wanted: dict[int, set] = {}
+        # The recorded geometry of each output read (see materialize/reuse.py).
+        self._produced = produced = {}
         for node in self.order:
             for x in self.reads(node):
                 if not real_read(x):
                     key = x.value.key
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
+                    produced.setdefault(key, x.value)
         for inp in self.targets:
             if not real_read(inp):
                 key = inp.value.key
                 uses[key] = uses.get(key, 0) + 1_000_000_000  # never freed
                 wanted.setdefault(id(key[0]), set()).add(key[1])
+                produced.setdefault(key, inp.value)
 
         env: dict = {}
         real_views: dict = {}
         total = len(self.order)
         self._uses = uses
+        self._borrowed = set()  # ids of outside tensors, read by reference
         with Draws(self.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
             binder = self.autograd
             for done, node in enumerate(self.order):
@@ -154,6 +160,7 @@ class Replay(GradCalls, Plan):
         # Draws replayed only for the generator write into scratch memory.
         scratch = self.liveness.scratch.get(id(node), ()) if self.liveness is not None else ()
         kind = node.kind
+        in_place = kind == "op" and not scratch and reusable(self, node, env, self._uses, self._produced, self._borrowed)
         if kind == "external":
             t = node.payload
             if t._version != node.version:
@@ -166,6 +173,7 @@ class Replay(GradCalls, Plan):
             t = recorded_memory(node)
             mapped = self.device_map(t.device)
             env[(node, 0)] = t if mapped == t.device else t.to(mapped)
+            self._borrowed.add(id(env[(node, 0)]))
             return
         if kind == "constant":
             env[(node, 0)] = node.payload.to(self.device_map(node.target), copy=True)
@@ -202,6 +210,8 @@ class Replay(GradCalls, Plan):
             out = self._swap_data(node, args, env)
         elif node.grad is not None and self.autograd is not None:
             out = self._run_with_grad(node, args, draws, env, real_views)
+        elif in_place:
+            out = in_place_variant(node.target)(*a, **k)
         else:
             out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
 

@@ -1,5 +1,5 @@
-"""Materializing modules whose parameters are sharded (FSDP2, tensor parallel):
-one storage at a time, each rank computing its own shards only.
+"""Materializing modules whose tensors are wrapper subclasses (sharded by FSDP2 or
+tensor parallel, quantized): one group at a time, each rank computing its own shards only.
 
 Sharding a deferred module does not need anything special: ``fully_shard``,
 ``distribute_tensor`` and ``parallelize_module`` cut the fake parameters
@@ -16,6 +16,12 @@ and every one of them extends the record.  What this module adds:
   time, in the order of their random draws: a rank's peak is its shards
   plus one full parameter.  A shard that is a view of a bigger tensor
   nobody else holds is copied out so the full tensor can be freed.
+* **Quantized models alike.**  A quantized tensor (torchao's, NF4) is a
+  wrapper subclass computed from a full-precision tensor, like a shard;
+  its inner tensors form one group, replayed together (one pass over the
+  full-precision tensor), before the next: the peak is the quantized model
+  plus one full-precision tensor, where one replay in recorded order would
+  make every full-precision weight before quantizing the first.
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ import sys
 
 import torch
 
+from deferinit.holdings import module_tensors
 from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
+from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
+
+from .autograd import needs_graph, real_root_of
 
 from .generators import committed_then_handed_over, records_of
 from .progress import start_progress
@@ -33,23 +43,14 @@ from .replay import Replay
 from .swap import Swaps, dress
 
 
-def _dtensor_class():
-    # No DTensor can exist before its module was imported (and importing it
-    # costs a fraction of a second): look it up, never import it here.
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def _has_dtensors(module: torch.nn.Module) -> bool:
-    """Whether any parameter or buffer of ``module`` is a DTensor."""
-    dtensor = _dtensor_class()
-    if dtensor is None:
-        return False
+def _holds_wrappers(module: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is a wrapper subclass (a DTensor,
+    a quantized tensor)."""
     for t in module.parameters():
-        if isinstance(t, dtensor):
+        if is_wrapper(t):
             return True
     for t in module.buffers():
-        if isinstance(t, dtensor):
+        if is_wrapper(t):
             return True
     return False
 
@@ -103,13 +104,17 @@ def fsdp_held_fakes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
-def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, counted=None) -> bool:
-    """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one storage at a time.
+def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, counted=None,
+                        wrappers=None) -> bool:
+    """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one group at a time.
 
     Called by :func:`deferinit.materialize.materialize_module`; returns False, doing
-    nothing, when ``module`` holds no DTensor (the caller then replays
-    everything at once).  Fakes FSDP2 holds for the targets are added;
-    progress counts ``counted`` (default: the targets' fakes).
+    nothing, when ``module`` holds no wrapper subclass (DTensor, a quantized
+    tensor), or when a target needs eager's autograd graph (the caller then
+    replays everything at once).  Fakes FSDP2 holds for the targets are
+    added; progress counts ``counted`` (default: the targets' fakes);
+    ``wrappers`` (innermost first; by default those of ``module`` around the
+    targets) are rebuilt around their real inner tensors.
     Every result is computed before anything is swapped in: on failure the
     module is left as it was.
 
@@ -119,11 +124,13 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
         >>> materialize_sharded(model, [("w", model.w._local_tensor)])
         True
     """
-    if not _has_dtensors(module):
+    if not _holds_wrappers(module) or any(needs_graph(f) or real_root_of(f) for _, f in targets):
         return False
+    if wrappers is None:
+        wrappers = _wrappers_around(module, targets)
     # Progress counts these (``counted``: the caller's choice), not the fakes FSDP adds.
     asked = [f for _, f in targets] if counted is None else list(counted)
-    units = groups(module, targets)
+    units = groups(module, targets, wrappers)
     targets = [t for group in units for t in group]
     streams: dict = {}  # the latest replay stream of each record stream
     records = records_of(f for _, f in targets)
@@ -131,12 +138,13 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
     shown = start_progress(progress, asked)
     asked = {id(f) for f in asked}
     committed_then_handed_over(
-        lambda hand: _compute_and_swap(hand, units, streams, records, device, inference, shown, asked), device
+        lambda hand: _compute_and_swap(hand, units, streams, records, device, inference, shown, asked, wrappers),
+        device,
     )
     return True
 
 
-def _compute_and_swap(hand, units, streams, records, device, inference, shown, asked) -> None:
+def _compute_and_swap(hand, units, streams, records, device, inference, shown, asked, wrappers=()) -> None:
     """Every group computed, then all swapped in (see
     :class:`~deferinit.materialize.generators.HandOver`); the fakes swapped out
     die with this frame."""
@@ -156,7 +164,7 @@ def _compute_and_swap(hand, units, streams, records, device, inference, shown, a
             del replay
             computed.append((group, reads, *_compact(group, reals)))
             del reals
-        _swap_in(hand, computed, inference, streams, records)
+        _swap_in(hand, computed, inference, streams, records, wrappers)
     except BaseException:
         if shown is not None:
             shown.close(ok=False)
@@ -165,14 +173,15 @@ def _compute_and_swap(hand, units, streams, records, device, inference, shown, a
         shown.close()
 
 
-def _swap_in(hand, computed, inference, streams, records) -> None:
-    """Swap every group's results in and remember the real storages, all or nothing."""
+def _swap_in(hand, computed, inference, streams, records, wrappers=()) -> None:
+    """Swap every group's results in, rebuild the wrappers around them (DTensors, quantized
+    tensors) and remember the real storages, all or nothing."""
     pairs = []
     for group, _, reals, _ in computed:
         for (_, fake), real in zip(group, reals):
             pairs.append((fake, dress(fake, real, inference)))
     storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
-    swaps = Swaps(pairs)
+    swaps = Swaps(pairs, wrappers)
     try:
         swaps.run()
         for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
@@ -187,10 +196,11 @@ def _swap_in(hand, computed, inference, streams, records) -> None:
         raise
 
 
-def groups(module, targets) -> list[list]:
+def groups(module, targets, wrappers=()) -> list[list]:
     """The targets plus the fakes FSDP2 holds on their storages, grouped by
     recorded storage (a shard and FSDP's padded buffer go together, so they
-    alias), in the order of their first random draw."""
+    alias) and by wrapper (a quantized tensor's data and scales are computed
+    together), in the order of their first random draw."""
     targets = list(targets)
     storages = {id(f._storage) for _, f in targets}
     seen = {id(f) for _, f in targets}
@@ -198,12 +208,42 @@ def groups(module, targets) -> list[list]:
         if id(fake) not in seen and id(fake._storage) in storages:
             seen.add(id(fake))
             targets.append((label, fake))
-    by_storage: dict[int, list] = {}
+    # One group per connected set: fakes joined by a storage or a wrapper.
+    parent: dict = {}
+
+    def find(k):
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    def join(a, b):
+        parent[find(a)] = find(b)
+
+    for _, fake in targets:
+        join(("fake", id(fake)), ("storage", id(fake._storage)))
+    for w in wrappers:
+        for _, inner in inner_tensors(w):
+            if id(inner) in seen:
+                join(("fake", id(inner)), ("wrapper", id(w)))
+    by_group: dict = {}
     for name, fake in targets:
-        by_storage.setdefault(id(fake._storage), []).append((name, fake))
-    ordered = list(by_storage.values())
+        by_group.setdefault(find(("fake", id(fake))), []).append((name, fake))
+    ordered = list(by_group.values())
     ordered.sort(key=lambda group: _first_draw(group_closure(group)))
     return ordered
+
+
+def _wrappers_around(module, targets) -> list:
+    """The wrapper subclasses ``module`` holds around the ``targets``, innermost first."""
+    ids = {id(f) for _, f in targets}
+    found, seen = [], set()
+    for _, t, _, _ in module_tensors(module):
+        if any(id(x) in ids for _, x in inner_tensors(t)):
+            for w in wrapper_layers(t):
+                if id(w) not in seen:
+                    seen.add(id(w))
+                    found.append(w)
+    return found
 
 
 def group_closure(group) -> list:

@@ -117,6 +117,15 @@ class Swaps:
     too: its class swapped and its C++ tensor not yet).  The storages
     remembered real (:meth:`remember`) get their earlier memory back.
 
+    ``wrappers`` (innermost first) are the wrapper subclasses (see
+    :mod:`deferinit.wrappers`) built around the fakes: their device, and
+    whatever their constructor derived from the fakes, describe fakes.  Once
+    the pairs are swapped, each class's own ``__tensor_unflatten__`` builds
+    the wrapper again from the same inner objects, now real (:func:`rebuilt`),
+    and that is swapped into the old object, which keeps its identity,
+    ``requires_grad`` and the attributes its class does not set
+    (``_is_param``, a user's tags), as eagerly; undone with the rest.
+
     Example::
 
         >>> a, b = torch.zeros(2), torch.ones(3)
@@ -125,21 +134,42 @@ class Swaps:
         torch.Size([3])
         >>> swaps.undo(); a.shape, b.shape
         (torch.Size([2]), torch.Size([3]))
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> t = deferred_init(lambda: TwoTensor(torch.zeros(2), torch.ones(2)))
+        >>> materialize_tensor(t) is t, type(t).__name__, is_deferred(t), t.a.tolist()
+        (True, 'TwoTensor', False, [0.0, 0.0])
     """
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-        self.pairs = pairs
-        self.before = [(type(a), a.__dict__, a._cdata, type(b), b.__dict__) for a, b in pairs]
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()):
+        self.pairs = list(pairs)
+        self.before = [_noted(a, b) for a, b in self.pairs]
+        self.wrappers = list(wrappers)
         self.storages: list = []
 
     def run(self) -> None:
-        """Swap each ``(fake, dressed_real)`` pair; undo everything if one fails."""
+        """Swap each ``(fake, dressed_real)`` pair, then rebuild the wrappers around
+        them; undo everything if one fails."""
         try:
-            for fake, real in self.pairs:
+            for fake, real in list(self.pairs):
                 swap(fake, real)
         except Exception as e:
             self.undo()
             raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+        w = None
+        try:
+            for w in self.wrappers:
+                new = rebuilt(w)
+                # Noted before the swap: an interrupt between the two leaves
+                # a note without a pair (zip ignores it) or a pair not swapped.
+                self.before.append(_noted(w, new))
+                self.pairs.append((w, new))
+                swap(w, new)
+        except Exception as e:
+            self.undo()
+            raise MaterializationError(
+                f"rebuilding a {type(w).__name__} around its materialized inner tensors failed "
+                f"({type(e).__name__}: {e}); nothing was changed"
+            ) from e
 
     def remember(self, reads, storages, reals) -> None:
         """:func:`remember_real_storages`, undone by :meth:`undo`."""
@@ -150,7 +180,8 @@ class Swaps:
         """Put every object and storage back as before (idempotent)."""
         for storage, real, head in reversed(self.storages):
             storage.real, storage.real_head = real, head
-        for (a, b), (cls_a, dict_a, cdata_a, cls_b, dict_b) in zip(self.pairs, self.before):
+        # The wrappers (noted last) first: each was rebuilt from inner tensors swapped before it.
+        for (a, b), (cls_a, dict_a, cdata_a, cls_b, dict_b) in reversed(list(zip(self.pairs, self.before))):
             if a._cdata != cdata_a:
                 torch._C._swap_tensor_impl(a, b)
             if a.__dict__ is not dict_a:
@@ -160,16 +191,36 @@ class Swaps:
             _hooks_follow(a, b)
 
 
-def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Swaps:
-    """Swap each ``(fake, dressed_real)`` pair; undo everything if one fails.
-    Returns the :class:`Swaps`, whose ``undo`` puts them back."""
-    swaps = Swaps(pairs)
+def _noted(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    return type(a), a.__dict__, a._cdata, type(b), b.__dict__
+
+
+def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()) -> Swaps:
+    """Swap each ``(fake, dressed_real)`` pair and rebuild ``wrappers`` around them
+    (see :class:`Swaps`); undo everything if one fails.  Returns the
+    :class:`Swaps`, whose ``undo`` puts them back."""
+    swaps = Swaps(pairs, wrappers)
     try:
         swaps.run()
     except BaseException:
         swaps.undo()
         raise
     return swaps
+
+
+def rebuilt(w: torch.Tensor) -> torch.Tensor:
+    """A new ``type(w)`` built by its ``__tensor_unflatten__`` from ``w``'s inner
+    objects and flatten context, with ``w``'s geometry, ``requires_grad`` and
+    the attributes of ``w`` the class does not set itself."""
+    names, ctx = w.__tensor_flatten__()
+    new = type(w).__tensor_unflatten__({name: getattr(w, name) for name in names}, ctx, w.size(), w.stride())
+    if new.requires_grad != w.requires_grad:
+        new.requires_grad_(w.requires_grad)
+    d = new.__dict__
+    for key, value in w.__dict__.items():
+        if key not in d:
+            d[key] = value
+    return new
 
 
 def remember_real_storages(reads, storages, reals) -> None:

@@ -98,3 +98,52 @@ def check_exact(ctor, *args, order="module", seed: int = 0, **kwargs):
         materialize_in_order(deferred, order)
     assert_same_tensors(eager, deferred)
     return eager, deferred
+
+
+def flat_tensor(t: torch.Tensor, path: str = "") -> list:
+    """``(path, what)`` for a tensor seen through wrapper subclasses: each wrapper
+    as ``(class, flatten context, requires_grad, is a Parameter)``, each plain
+    tensor inside as itself."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if not is_traceable_wrapper_subclass(t):
+        return [(path, t)]
+    names, ctx = t.__tensor_flatten__()
+    out = [(path, (type(t), repr(ctx), t.requires_grad, isinstance(t, torch.nn.Parameter)))]
+    for name in names:
+        inner = getattr(t, name)
+        if isinstance(inner, torch.Tensor):
+            out += flat_tensor(inner, f"{path}.{name}")
+    return out
+
+
+def assert_same_wrapped(eager: torch.nn.Module, deferred: torch.nn.Module) -> None:
+    """:func:`assert_same_tensors` through wrapper subclasses and the tensors tensors
+    carry (``deferinit.holdings``): every tensor a module holds has eager's
+    class, ``Parameter``-ness and ``requires_grad``; every wrapper eager's
+    flatten context; every plain tensor inside, eager's dtype, shape, device
+    and values; and none is fake."""
+    from deferinit import is_deferred
+    from deferinit.fake import is_fake
+    from deferinit.holdings import module_tensors
+
+    a = {name: t for name, t, _, _ in module_tensors(eager)}
+    b = {name: t for name, t, _, _ in module_tensors(deferred)}
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    assert not is_deferred(deferred)
+    for name in a:
+        x, y = a[name], b[name]
+        assert type(x) is type(y), (name, type(x), type(y))
+        assert isinstance(x, torch.nn.Parameter) == isinstance(y, torch.nn.Parameter), name
+        assert x.requires_grad == y.requires_grad, name
+        fx, fy = flat_tensor(x, name), flat_tensor(y, name)
+        assert [p for p, _ in fx] == [p for p, _ in fy], name
+        for (path, u), (_, v) in zip(fx, fy):
+            if isinstance(u, tuple):
+                assert u == v, (path, u, v)
+                continue
+            assert not is_fake(v), f"{path} is still fake"
+            assert type(u) is type(v), (path, type(u), type(v))
+            assert u.dtype == v.dtype and u.shape == v.shape and u.stride() == v.stride(), path
+            assert u.device == v.device, path
+            assert torch.equal(u.detach(), v.detach()), f"{path} differs from eager"

@@ -12,7 +12,8 @@ before its fence, which the rendered page does not show:
   several processes, a package that is not a dependency);
 * ``<!-- run if: dot -->``: run only where Graphviz's ``dot`` is installed
   (the conditions: ``dot``, and a package's name: ``transformers``,
-  ``diffusers``, ``accelerate``, ``peft``, ``torchtitan``, ``lightning``, ``litgpt``).
+  ``diffusers``, ``accelerate``, ``peft``, ``torchtitan``, ``lightning``, ``litgpt``,
+  ``torchao``, ``bitsandbytes``, ``torchtune``).
 
 See docs/testing.md.
 """
@@ -37,7 +38,8 @@ CONDITIONS = {
     "dot": lambda: shutil.which("dot") is not None,
     **{
         name: (lambda name=name: importlib.util.find_spec(name) is not None)
-        for name in ("transformers", "diffusers", "accelerate", "peft", "torchtitan", "lightning", "litgpt")
+        for name in ("transformers", "diffusers", "accelerate", "peft", "torchtitan", "lightning", "litgpt",
+                     "torchao", "bitsandbytes", "torchtune")
     },
 }
 _FENCE = re.compile(r"^```python\s*$")

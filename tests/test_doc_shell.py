@@ -39,6 +39,8 @@ import sys
 
 import pytest
 
+from clirun import without_import_noise
+
 from test_doc_examples import CONDITIONS, PAGES, ROOT
 
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -258,7 +260,7 @@ def _environment(cwd, extra: dict) -> dict:
 def _check(page, line, command, expected, proc, cwd) -> str | None:
     """Why the command's run does not do what the page shows, or None."""
     where = f"{page}:{line}: `{command}`"
-    output = proc.stdout + proc.stderr
+    output = proc.stdout + without_import_noise(proc.stderr)
     if expected is not None:
         if output_matches(expected, output):
             return None

@@ -8,6 +8,7 @@ import torch
 from ..graph import Input, Node
 from ..plan import read_of
 from ..recorder import is_deferred_fake
+from ..wrappers import inner_tensors
 from ..text import dtype_name
 from ..view import Graph, data_closure, deferred_tensors, op_name, record_base
 from .drawing import Drawing, Item, common, parent, relative, within
@@ -164,8 +165,9 @@ def _tensor_kinds(module: torch.nn.Module) -> dict[int, str]:
     kinds = {}
     for kind, tensors in (("buffer", module.buffers()), ("parameter", module.parameters())):
         for t in tensors:
-            fake = t if is_deferred_fake(t) else getattr(t, "_local_tensor", None)
-            kinds[id(fake)] = kind
+            kinds[id(t)] = kind
+            for _, inner in inner_tensors(t):  # a wrapper subclass's (DTensor's local shard)
+                kinds[id(inner)] = kind
     return kinds
 
 

@@ -5,21 +5,17 @@ process on a real model: PyTorch's MemTracker and FlopCounterMode over the
 real CPU run.
 """
 
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+import clirun
 from deferinit.planning.report import fmt_flops
 from deferinit.planning.step import measure_step
 from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.text import fmt_bytes
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 TARGETS = '''
 import torch
@@ -47,10 +43,8 @@ class CNN(nn.Module):
 
 
 def plan(*args, cwd, timeout=600):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "deferinit", "plan", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    # clirun.run sets aside what libraries log as transformers imports them (torchao).
+    return clirun.run("plan", *args, cwd=cwd, timeout=timeout)
 
 
 def cells(out: str, label: str) -> list[str]:

@@ -8,8 +8,6 @@ the plan of the same model).
 """
 
 import html
-import os
-import pathlib
 import pickle
 import re
 import subprocess
@@ -21,6 +19,7 @@ import torch
 import torch.cuda._memory_viz as memory_viz
 from torch.distributed._tools.mem_tracker import MemTracker
 
+import clirun
 from deferinit import deferred_init
 from deferinit.planning.picture import COLUMNS, timeline_html, timeline_svg
 from deferinit.planning.report import row_labels
@@ -30,7 +29,6 @@ from deferinit.demo import LLAMA_TINY, Llama
 from deferinit.text import fmt_bytes
 from deferinit.fake import fake_mode
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -167,10 +165,8 @@ def test_an_empty_device_is_refused(runs):
 
 
 def _plan_cli(*args, cwd):
-    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "deferinit", "plan", *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    # clirun.run sets aside what libraries log as transformers imports them (torchao).
+    return clirun.run("plan", *args, cwd=cwd, timeout=600)
 
 
 def test_plan_writes_the_picture_and_the_snapshot(tmp_path):
