@@ -141,18 +141,18 @@ def _one_tensor(tmp_path, offsets, data_len=48):
 @pytest.mark.parametrize("offsets", [[-48, 0], [-8, 40], [-100, -52]], ids=["before-data", "straddling", "in-header"])
 def test_offsets_pointing_into_the_header_are_refused(tmp_path, offsets):
     path = _one_tensor(tmp_path, offsets)
-    refused(path, r"bad.safetensors is not a valid safetensors file: an offset of '0.weight' is -\d+")
+    refused(path, r"bad.safetensors is not a valid safetensors file: .*invalid value: integer `-\d+`, expected usize")
 
 
 @pytest.mark.parametrize(
     "offsets, match",
     [
-        (["0", "48"], "an offset of '0.weight' is \"0\", not a non-negative integer"),
-        ([0.0, 48.0], "an offset of '0.weight' is 0.0, not"),
-        ([False, True], "an offset of '0.weight' is false, not"),
-        ([0, 48, 48], r"data_offsets \[0, 48, 48\], not \[begin, end\]"),
-        ([8, 56], r"'0.weight' spans bytes 8 to 56 of the data, which leaves a gap"),
-        ([0, 44], "'0.weight' spans 44 bytes, \\[4, 3\\] F32 takes 48"),
+        (["0", "48"], "invalid type: string \"0\", expected usize"),
+        ([0.0, 48.0], "invalid type: floating point `0.0`, expected usize"),
+        ([False, True], "invalid type: boolean `false`, expected usize"),
+        ([0, 48, 48], "invalid length 3, expected 2 elements"),
+        ([8, 56], "invalid offset for tensor `0.weight`"),
+        ([0, 44], "invalid shape, data type, or offset for tensor"),
     ],
     ids=["strings", "floats", "booleans", "three", "gap", "short"],
 )
@@ -170,7 +170,7 @@ def test_second_tensor_bad_leaves_a_real_module_untouched(tmp_path):
     last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
     header[last]["data_offsets"] = [float(x) for x in header[last]["data_offsets"]]
     (tmp_path / "bad.safetensors").write_bytes(safetensors_bytes(header, blob[8 + n:]))
-    refused(tmp_path / "bad.safetensors", f"an offset of {last!r} is")
+    refused(tmp_path / "bad.safetensors", "invalid type: floating point")
 
 
 # -- torch.save archives ----------------------------------------------------------------
@@ -309,14 +309,16 @@ def test_a_zip64_locator_astray_with_a_plain_end_record_loads_as_torch_load(tmp_
     loads_as(tmp_path / "astray.pt", torch.load(tmp_path / "astray.pt", map_location="cpu", weights_only=True))
 
 
-def test_members_named_alike_but_for_case_are_refused(tmp_path):
+def test_members_named_alike_but_for_case_load_as_torch_load(tmp_path):
+    """PyTorch's reader finds a record without regard to case: the one it reads is
+    the one read here (the records' positions come from it)."""
     torch.save(state_dict(), tmp_path / "model.pt")
     with zipfile.ZipFile(tmp_path / "model.pt") as zin, zipfile.ZipFile(tmp_path / "bad.pt", "w") as zout:
         for info in zin.infolist():
             zout.writestr(info.filename, zin.read(info))
-            if info.filename.endswith("data/0"):  # which of the two torch.load reads is not defined
+            if info.filename.endswith("data/0"):
                 zout.writestr(info.filename.replace("data/0", "DATA/0"), bytes(len(zin.read(info))))
-    refused(tmp_path / "bad.pt", "members .*data/0.* and .*DATA/0.* differ only by case")
+    loads_as(tmp_path / "bad.pt", torch.load(tmp_path / "bad.pt", map_location="cpu", weights_only=True))
 
 
 def test_a_corrupt_shard_is_named_with_the_index_and_key(tmp_path):
@@ -325,7 +327,7 @@ def test_a_corrupt_shard_is_named_with_the_index_and_key(tmp_path):
     with open(tmp_path / "ckpt" / "b.safetensors", "r+b") as f:
         f.truncate(os.path.getsize(tmp_path / "ckpt" / "b.safetensors") - 1)
     key = next(k for k, v in weight_map.items() if v == "b.safetensors")
-    refused(tmp_path / "ckpt", rf"b.safetensors is not a valid safetensors file: it is truncated.* \(the index .*model.safetensors.index.json names it for {key!r}\)")
+    refused(tmp_path / "ckpt", rf"b.safetensors is not a valid safetensors file: .*file not fully covered.* \(the index .*model.safetensors.index.json names it for {key!r}\)")
 
 
 def test_a_deflated_record_shorter_than_its_directory_entry_says_is_refused(tmp_path):
@@ -340,4 +342,4 @@ def test_a_deflated_record_shorter_than_its_directory_entry_says_is_refused(tmp_
     (tmp_path / "bad.pt").write_bytes(bytes(blob))
     with pytest.raises(RuntimeError, match="unexpected decompressed size"):
         torch.load(tmp_path / "bad.pt", map_location="cpu", weights_only=True)
-    refused(tmp_path / "bad.pt", "storage_alignment' inflates to 2 bytes, not 6")
+    refused(tmp_path / "bad.pt", "failed reading file .storage_alignment: unexpected decompressed size")
