@@ -19,14 +19,16 @@ storages, each storage's record named.  Between the two:
   storages makes it, whatever else the second persistent id says.
 
 What ``torch.load`` checks only when it reads a record's bytes is checked
-after: the record's size against its storage's, and for a record read by
-position (stored, behind its local header, inside the file: what the zip
-directory, read by :mod:`zipfile`, and the local header say alike), that
-it lies inside the file; any other record (deflated, or where the two
-disagree) is read through PyTorch's reader, whole, once now to check it
-and again when its tensors are read.  A directory entry is refused
-(``torch.load`` gives uninitialised memory for it), and so is a tensor
-reaching past its record (the same).
+after, for the zip directory entry PyTorch's reader took for the record
+(:mod:`zipfile` reads it too): the record's size against its storage's, a
+local header where the entry says, no encryption, the bytes inside the
+file; a stored record is then read by position, a deflated one inflated
+whole (checked now: exactly its size, or PyTorch's reader would refuse it
+or give uninitialised memory).  Where zipfile reads the directory
+otherwise, a record is read by position only if PyTorch's reader gives the
+bytes found there.  A directory entry is refused (``torch.load`` gives
+uninitialised memory for it), and so is a tensor reaching past its record
+(the same).
 
 Example::
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 import math
 import sys
 import zipfile
+import zlib
 from typing import NamedTuple
 
 import torch
@@ -62,12 +65,13 @@ class ArchiveError(ValueError):
 
 
 class Record(NamedTuple):
-    """A storage's record: ``position`` of its bytes in the file (None: read
-    through PyTorch's reader), ``nbytes``, and ``unit``, the bytes reversed
-    together when read (a big-endian archive; 1: none)."""
+    """A storage's record: ``position`` of its bytes in the file, or where it is
+    ``deflated`` (start, length: inflated whole when read); ``nbytes``; ``unit``,
+    the bytes reversed together when read (a big-endian archive; 1: none)."""
 
     name: str
     position: int | None
+    deflated: tuple | None
     nbytes: int
     unit: int
 
@@ -181,43 +185,68 @@ def read_archive(f) -> tuple:
     return obj, records
 
 
-def _directory(f, reader) -> dict | None:
-    """``local header offset -> ZipInfo`` as zipfile reads the zip directory, or None
-    where zipfile does not list the records PyTorch's reader lists, where they are."""
+def _directory(f) -> dict:
+    """``local header offset -> [ZipInfo]`` of the zip directory as zipfile reads it
+    (empty where it cannot)."""
+    by_offset: dict = {}
     try:
         f.seek(0)
-        infos = zipfile.ZipFile(f).infolist()
-    except Exception:  # noqa: BLE001 - zipfile refuses what miniz reads: no position then
-        return None
-    names = reader.get_all_records()
-    by_offset = {info.header_offset: info for info in infos}
-    prefix = infos[0].filename.split("/", 1)[0] + "/" if infos else ""
-    ours = {(prefix + n).lower(): (reader.get_record_header_offset(n), reader.get_record_size(n)) for n in names}
-    theirs = {info.filename.lower(): (info.header_offset, info.file_size) for info in infos}
-    return by_offset if len(by_offset) == len(infos) and ours == theirs else None
+        for info in zipfile.ZipFile(f).infolist():
+            by_offset.setdefault(info.header_offset, []).append(info)
+    except Exception:  # noqa: BLE001 - zipfile refuses what PyTorch's reader reads: see _locate
+        pass
+    return by_offset
 
 
-def _position(f, size: int, reader, directory, name: str, nbytes: int) -> int | None:
-    """Where the stored record ``name`` begins in the file, or None to read it
-    through PyTorch's reader (checked now: it reads)."""
-    header = reader.get_record_header_offset(name)
-    info = directory.get(header) if directory is not None else None
-    if info is not None and (info.is_dir() or info.external_attr & 0x10):
-        raise ArchiveError(f"record {name!r} is a directory entry (torch.load gives uninitialised memory for it)")
+def _locate(f, size: int, reader, directory: dict, name: str, nbytes: int) -> tuple:
+    """``(position, deflated)`` of the record ``name``: where its stored bytes begin,
+    or ``(None, (start, compressed size))`` for a deflated one (checked now: it
+    inflates to exactly its size, as PyTorch's reader requires)."""
+    header, start = reader.get_record_header_offset(name), reader.get_record_offset(name)
+    # The directory entry PyTorch's reader took for the record: the one at its local header.
+    found = [i for i in directory.get(header, ()) if i.file_size == nbytes
+             and i.filename.split("/", 1)[-1].lower() == name.lower()]
     f.seek(header)
-    local = f.read(30)
-    plain = (info is not None and info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & _ENCRYPTED_OR_PATCHED
-             and local[:4] == b"PK\x03\x04" and local[8:10] == b"\0\0")
-    if plain:
-        start = reader.get_record_offset(name)
-        if start + nbytes > size:
-            raise ArchiveError(f"record {name!r} reaches byte {start + nbytes} of a file of {size}")
-        return start
+    signature = f.read(4)
+    if len(found) != 1:
+        # zipfile reads the directory otherwise: by position only if PyTorch's reader
+        # gives the bytes that are there (a stored record).
+        try:
+            data = reader.get_record(name)
+        except Exception as e:  # noqa: BLE001
+            raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
+        f.seek(start)
+        if f.read(nbytes + 1) != data:
+            raise ArchiveError(f"its record {name!r} is not stored where its local header says (zipfile reads its zip directory otherwise)")
+        return start, None
+    info = found[0]
+    if info.is_dir() or info.external_attr & 0x10:
+        raise ArchiveError(f"record {name!r} is a directory entry (torch.load gives uninitialised memory for it)")
+    if info.flag_bits & _ENCRYPTED_OR_PATCHED or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise ArchiveError(f"record {name!r} is encrypted or compressed with method {info.compress_type}, which torch.load refuses")
+    if signature != b"PK\x03\x04":
+        raise ArchiveError(f"record {name!r} has no local header where the zip directory says")
+    if start + info.compress_size > size:
+        raise ArchiveError(f"record {name!r} reaches byte {start + info.compress_size} of a file of {size}")
+    if info.compress_type == zipfile.ZIP_STORED:
+        return start, None
+    inflate(f, start, info.compress_size, nbytes, name)
+    return None, (start, info.compress_size)
+
+
+def inflate(f, start: int, length: int, nbytes: int, name: str) -> bytes:
+    """The record ``name`` deflated at ``[start, start + length)`` of ``f``: exactly
+    ``nbytes`` bytes and the end of the stream, else :class:`ArchiveError` (PyTorch's
+    reader refuses it, or gives uninitialised memory)."""
+    f.seek(start)
+    inflater = zlib.decompressobj(-zlib.MAX_WBITS)
     try:
-        reader.get_record(name)
-    except Exception as e:  # noqa: BLE001 - what PyTorch's reader refuses, torch.load refuses
-        raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
-    return None
+        data = inflater.decompress(f.read(length), nbytes + 1)
+    except zlib.error as e:
+        raise ArchiveError(f"record {name!r} does not inflate ({e})") from None
+    if len(data) != nbytes or not inflater.eof:
+        raise ArchiveError(f"record {name!r} does not inflate to its {nbytes} bytes")
+    return data
 
 
 def _swap_unit(dtype: torch.dtype) -> int:
@@ -229,7 +258,7 @@ def _swap_unit(dtype: torch.dtype) -> int:
 
 def _records(f, reader, storages: dict, swap: bool) -> dict:
     size = f.seek(0, 2)
-    directory = _directory(f, reader)
+    directory = _directory(f)
     found, out = {}, {}
     for cdata, (name, dtype, nbytes) in storages.items():
         if name not in found:
@@ -239,8 +268,8 @@ def _records(f, reader, storages: dict, swap: bool) -> dict:
                 raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
             if stored != nbytes:
                 raise ArchiveError(f"record {name!r} has {stored} bytes, its pickle says {nbytes}")
-            found[name] = _position(f, size, reader, directory, name, nbytes)
-        out[cdata] = Record(name, found[name], nbytes, _swap_unit(dtype) if swap else 1)
+            found[name] = _locate(f, size, reader, directory, name, nbytes)
+        out[cdata] = Record(name, *found[name], nbytes, _swap_unit(dtype) if swap else 1)
     return out
 
 
@@ -266,13 +295,3 @@ def layout(t, records: dict, what: str) -> tuple:
                 f"record, which has {record.nbytes} (torch.load gives uninitialised memory there)"
             )
     return record, offset, strides
-
-
-def read_record(f, name: str) -> bytes:
-    """The bytes of the record ``name`` as PyTorch's reader gives them (decompressed)."""
-    try:
-        return open_reader(f).get_record(name)
-    except ArchiveError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None

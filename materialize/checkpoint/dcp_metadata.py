@@ -168,7 +168,7 @@ def _ints(x, bad, field) -> tuple:
 def _file(name, path: str, sizes: dict, bad, field: str, key: str) -> str:
     """The chunk's file, a regular file inside ``path`` (no absolute path, no
     ``..``, no symbolic link leading out); its size is remembered in ``sizes``."""
-    if name in sizes:
+    if type(name) is str and name in sizes:
         return name
     if type(name) is not str or not name or any(p in ("", ".", "..") for p in name.split("/")) or "\\" in name:
         raise bad(field, f"is {short(name)}, not a file name inside the checkpoint")

@@ -26,7 +26,7 @@ import torch
 
 from deferinit.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
-from .archive import ArchiveError, layout, read_archive, read_record
+from .archive import ArchiveError, inflate, layout, read_archive
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
 from .nested import flatten_tensors
@@ -211,6 +211,8 @@ class TorchFile(Source):
             st = os.fstat(f.fileno())
             obj, records = read_archive(f)
         identities[self.path] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if not isinstance(obj, dict):
+            raise ArchiveError(f"it holds a {type(obj).__name__}, not a dict of tensors (load_state_dict refuses it)")
         found = {}
         for key, t in flatten_tensors(obj, ArchiveError, "its pickle"):
             record, offset, strides = layout(t, records, repr(key))
@@ -224,13 +226,13 @@ class TorchFile(Source):
 
 def record_reader(record, entry, fd: int, start: int, length: int):
     """``read(position, buffer)`` of a record of the archive at ``[start, start +
-    length)`` of the file ``fd``: by position, or (``record.position`` None) from
-    the bytes PyTorch's reader gives; big-endian elements swapped."""
+    length)`` of the file ``fd``: by position, or inflated whole; big-endian
+    elements swapped."""
     read = Source.reader(entry, fd)
-    if record.position is None:
+    if record.deflated is not None:
         try:
-            data = read_record(Window(fd, start, length), record.name)
-        except ArchiveError as e:
+            data = inflate(Window(fd, start, length), *record.deflated, record.nbytes, record.name)
+        except (ArchiveError, OSError) as e:
             raise CheckpointReadError(f"cannot read {entry.describe()}: {e}.{_NOTHING_CHANGED}") from None
 
         def read(position: int, buffer: memoryview) -> None:

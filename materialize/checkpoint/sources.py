@@ -80,6 +80,12 @@ def open_source(source) -> tuple[dict, str]:
 def open_file(path: str) -> dict:
     """``key -> Entry`` of the file at ``path``: a safetensors file, or a
     ``torch.save`` zip archive; headers only."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if path.endswith(".distcp") or os.path.basename(path) == ".metadata" or is_dcp_directory(folder):
+        raise CheckpointError(
+            f"{os.path.abspath(path)} is a file of the distributed checkpoint {folder}, which holds its tensors "
+            "in pieces that its .metadata file describes: pass its directory."
+        )
     if path.endswith(".safetensors"):
         return SafetensorsFile(path).open()
     if is_torch_zip(path):

@@ -365,3 +365,9 @@ def test_mutants_load_dcp_values_or_raise_checkpoint_error(ckpt, tmp_path, seed)
             assert torch.equal(v, expected[k]), f"mutant {i} ({name}): {k} differs from dcp.load's"
         outcomes["values"] += 1
     assert outcomes["refused"] and outcomes["values"]
+
+
+@pytest.mark.parametrize("name", ["__0_0.distcp", ".metadata"])
+def test_a_file_of_the_checkpoint_given_alone_names_its_directory(ckpt, name):
+    path, _ = ckpt
+    refused(os.path.join(path, name), f"is a file of the distributed checkpoint {path}, .* pass its directory")
