@@ -19,16 +19,15 @@ storages, each storage's record named.  Between the two:
   storages makes it, whatever else the second persistent id says.
 
 What ``torch.load`` checks only when it reads a record's bytes is checked
-after, for the zip directory entry PyTorch's reader took for the record
-(:mod:`zipfile` reads it too): the record's size against its storage's, a
-local header where the entry says, no encryption, the bytes inside the
-file; a stored record is then read by position, a deflated one inflated
-whole (checked now: exactly its size, or PyTorch's reader would refuse it
-or give uninitialised memory).  Where zipfile reads the directory
-otherwise, a record is read by position only if PyTorch's reader gives the
-bytes found there.  A directory entry is refused (``torch.load`` gives
-uninitialised memory for it), and so is a tensor reaching past its record
-(the same).
+after: the record's size against its storage's.  A small record is read by
+position when PyTorch's reader gives the bytes found there; otherwise the
+zip directory entry PyTorch's reader took for it (:mod:`zipfile` reads it
+too) must say: a local header where the entry says, no encryption, the
+bytes inside the file; a stored record is then read by position, a
+deflated one inflated whole (checked now: exactly its size, or PyTorch's
+reader would refuse it or give uninitialised memory).  A directory entry
+is refused (``torch.load`` gives uninitialised memory for it), and so is a
+tensor reaching past its record (the same).
 
 Example::
 
@@ -58,6 +57,9 @@ from .pickle_scan import ScanError, guard
 
 _I64 = 2**63 - 1
 _ENCRYPTED_OR_PATCHED = 0x1 | 0x20 | 0x40 | 0x2000
+# Records of at most this many bytes are compared with what PyTorch's reader
+# gives; larger ones are found in the zip directory as zipfile reads it.
+_SMALL = 1 << 16
 
 
 class ArchiveError(ValueError):
@@ -198,27 +200,28 @@ def _directory(f) -> dict:
     return by_offset
 
 
-def _locate(f, size: int, reader, directory: dict, name: str, nbytes: int) -> tuple:
+def _locate(f, size: int, reader, directory, name: str, nbytes: int) -> tuple:
     """``(position, deflated)`` of the record ``name``: where its stored bytes begin,
     or ``(None, (start, compressed size))`` for a deflated one (checked now: it
-    inflates to exactly its size, as PyTorch's reader requires)."""
+    inflates to exactly its size, as PyTorch's reader requires).  ``directory()``
+    gives :func:`_directory`'s."""
     header, start = reader.get_record_header_offset(name), reader.get_record_offset(name)
-    # The directory entry PyTorch's reader took for the record: the one at its local header.
-    found = [i for i in directory.get(header, ()) if i.file_size == nbytes
-             and i.filename.split("/", 1)[-1].lower() == name.lower()]
-    f.seek(header)
-    signature = f.read(4)
-    if len(found) != 1:
-        # zipfile reads the directory otherwise: by position only if PyTorch's reader
-        # gives the bytes that are there (a stored record).
+    if nbytes <= _SMALL:
+        # Small: read by position if PyTorch's reader gives the bytes found there.
         try:
             data = reader.get_record(name)
         except Exception as e:  # noqa: BLE001
             raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
         f.seek(start)
-        if f.read(nbytes + 1) != data:
-            raise ArchiveError(f"its record {name!r} is not stored where its local header says (zipfile reads its zip directory otherwise)")
-        return start, None
+        if f.read(nbytes) == data:
+            return start, None
+    # The directory entry PyTorch's reader took for the record: the one at its local header.
+    found = [i for i in directory().get(header, ()) if i.file_size == nbytes
+             and i.filename.split("/", 1)[-1].lower() == name.lower()]
+    f.seek(header)
+    signature = f.read(4)
+    if len(found) != 1:
+        raise ArchiveError(f"its record {name!r} is not where zipfile and PyTorch's reader both find it")
     info = found[0]
     if info.is_dir() or info.external_attr & 0x10:
         raise ArchiveError(f"record {name!r} is a directory entry (torch.load gives uninitialised memory for it)")
@@ -258,7 +261,13 @@ def _swap_unit(dtype: torch.dtype) -> int:
 
 def _records(f, reader, storages: dict, swap: bool) -> dict:
     size = f.seek(0, 2)
-    directory = _directory(f)
+    read: list = []
+
+    def directory() -> dict:
+        if not read:
+            read.append(_directory(f))
+        return read[0]
+
     found, out = {}, {}
     for cdata, (name, dtype, nbytes) in storages.items():
         if name not in found:

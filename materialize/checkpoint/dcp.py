@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import NamedTuple
@@ -78,7 +79,9 @@ class ChunkLayout(NamedTuple):
 def chunk_layout(f, start: int, length: int, what: str) -> ChunkLayout:
     """The layout of the one tensor ``torch.save``\\ d at ``[start, start + length)``
     of the open file ``f``; :class:`ArchiveError` for anything else."""
-    obj, records = read_archive(Window(f.fileno(), start, length))
+    window = Window(f.fileno(), start, length)
+    # A small archive (PyTorch's reader reads its last 4 KiB anyway) is read at once.
+    obj, records = read_archive(io.BytesIO(window.read()) if length <= 8192 else window)
     if type(obj) not in (torch.Tensor, torch.nn.Parameter):
         raise ArchiveError(f"it holds a {type(obj).__name__}, not one tensor")
     record, offset, strides = layout(obj, records, what)

@@ -94,13 +94,24 @@ def _dcp_globals() -> dict:
 
 
 def allowed() -> dict:
-    """``"module.name" -> object``: the globals a checkpoint's pickle may name.
+    """``"module.name" -> object``: the globals a checkpoint's pickle may name (read
+    only; computed again when ``torch.serialization.add_safe_globals`` changes them).
 
     Example::
 
         >>> allowed()["torch.Size"] is torch.Size, "torch._utils._rebuild_sparse_tensor" in allowed()
         (True, False)
     """
+    marked = weights_only._marked_safe_globals_set  # a new set whenever it changes
+    if _ALLOWED[0] is not marked:
+        _ALLOWED[:] = [marked, _allowed()]
+    return _ALLOWED[1]
+
+
+_ALLOWED: list = [None, None]
+
+
+def _allowed() -> dict:
     names = dict(weights_only._get_allowed_globals())
     names.update(weights_only._get_user_allowed_globals())
     for cls in torch._tensor_classes:  # legacy classes (torch.FloatTensor) build CPU tensors
@@ -135,6 +146,7 @@ for _name, _n in (("TUPLE1", 1), ("TUPLE2", 2), ("TUPLE3", 3), ("NEWOBJ_EX", 3))
     _OPS[getattr(pickle, _name)[0]] = (_TUPLE_N if _name != "NEWOBJ_EX" else _CALL, 0, _n)
 for _name, _n in (("BUILD", 1), ("APPEND", 1), ("SETITEM", 2)):
     _OPS[getattr(pickle, _name)[0]] = (_POP_N, 0, _n)
+_TABLE = [_OPS.get(_op) for _op in range(256)]
 
 
 def _global_lines(data: bytes, i: int) -> tuple[str, int]:
@@ -153,10 +165,6 @@ def _global_lines(data: bytes, i: int) -> tuple[str, int]:
     return f"{module}.{name}", i
 
 
-def _weigh(item) -> tuple:
-    return item if type(item) is tuple else _SCALAR
-
-
 def guard(data: bytes, names: dict | None = None) -> None:
     """Refuse (:class:`ScanError`) the pickle ``data`` unless it is safe to give an
     unpickler: it ends with STOP, uses the opcodes of plain values, names only
@@ -171,42 +179,59 @@ def guard(data: bytes, names: dict | None = None) -> None:
     memo: dict = {}
     live = True
     i, n = 0, len(data)
-    while True:
-        if i >= n:
-            raise ScanError("its pickle ends before its STOP opcode")
-        op = data[i]
+    ops, from_bytes = _TABLE, int.from_bytes
+    while i < n:
+        info = ops[data[i]]
         i += 1
-        info = _OPS.get(op)
         if info is None:
-            raise ScanError(f"its pickle uses opcode {bytes([op])!r}, which a checkpoint's pickle does not")
+            raise ScanError(f"its pickle uses opcode {data[i - 1:i]!r}, which a checkpoint's pickle does not")
         kind, width, count = info
-        if i + width > n:
-            raise ScanError("its pickle ends inside an opcode")
-        arg = int.from_bytes(data[i:i + width], "little")
-        i += width
-        value = _SCALAR
-        if kind == _STOP:
-            return
-        if kind == _GLOBAL:
-            name, i = _global_lines(data, i)
-            if name not in names:
-                raise ScanError(f"its pickle uses {name}, which load_checkpoint does not allow")
-        elif kind == _TEXT or kind == _BYTES:
+        if width:
+            if i + width > n:
+                break
+            arg = from_bytes(data[i:i + width], "little")
+            i += width
+        if kind == _PUSH:
+            if live:
+                stack.append(_SCALAR)
+            continue
+        if kind == _MEMOIZE or kind == _PUT:
+            if not stack:
+                live = False
+            elif live:
+                memo[len(memo) if kind == _MEMOIZE else arg] = stack[-1]
+            continue
+        if kind == _GET:
+            if live:
+                stack.append(memo.get(arg, _SCALAR))
+            continue
+        if kind == _TEXT or kind == _BYTES:
             if kind == _BYTES and width == 4 and arg >= 1 << 31:
                 raise ScanError("its pickle holds a string of negative length")
             if i + arg > n:
-                raise ScanError("its pickle ends inside a string")
+                break
+            value = _SCALAR
             if kind == _TEXT:
                 try:
                     value = data[i:i + arg].decode("utf-8", "surrogatepass")
                 except UnicodeDecodeError:
                     live = False  # the unpickler stops there
             i += arg
-        if not live:
+            if live:
+                stack.append(value)
             continue
-        if kind <= _BYTES or kind == _GLOBAL:
-            stack.append(value)
-        elif kind == _STACK_GLOBAL:
+        if kind == _STOP:
+            return
+        if kind == _GLOBAL:
+            name, i = _global_lines(data, i)
+            if name not in names:
+                raise ScanError(f"its pickle uses {name}, which load_checkpoint does not allow")
+            if live:
+                stack.append(_SCALAR)
+            continue
+        if not live or kind == _NOTHING:
+            continue
+        if kind == _STACK_GLOBAL:
             if len(stack) < 2 or type(stack[-1]) is not str or type(stack[-2]) is not str:
                 live = False
                 continue
@@ -228,9 +253,13 @@ def guard(data: bytes, names: dict | None = None) -> None:
                 items, stack = stack, marks.pop()
             else:
                 items = ()
-            weighed = [_weigh(item) for item in items]
-            depth = max((d for d, _ in weighed), default=0) + 1
-            weight = sum(w for _, w in weighed) + 1
+            depth, weight = 1, 1
+            for item in items:
+                if type(item) is tuple:
+                    depth = max(depth, item[0] + 1)
+                    weight += item[1]
+                else:
+                    weight += 1
             if depth > MAX_TUPLE_DEPTH:
                 raise ScanError(
                     f"it nests tuples more than {MAX_TUPLE_DEPTH} deep (the unpickler would crash the process "
@@ -251,12 +280,12 @@ def guard(data: bytes, names: dict | None = None) -> None:
             if len(stack) < need:
                 live = False
                 continue
-            top = _weigh(stack[-1] if kind != _CALL or not count else stack[-2])
+            top = stack[-1] if kind != _CALL or not count else stack[-2]
             del stack[len(stack) - need:]
             if kind == _PERSID:
                 stack.append(_SCALAR)
             elif kind == _CALL:
-                stack.append(top)
+                stack.append(top if type(top) is tuple else _SCALAR)
         elif kind == _POP_MARK or kind == _SET_OF_MARK:
             if not marks:
                 live = False
@@ -264,13 +293,7 @@ def guard(data: bytes, names: dict | None = None) -> None:
             stack = marks.pop()
             if kind == _SET_OF_MARK:
                 stack.append(_SCALAR)
-        elif kind == _GET:
-            stack.append(memo.get(arg, _SCALAR))
-        elif kind == _PUT or kind == _MEMOIZE:
-            if not stack:
-                live = False
-                continue
-            memo[len(memo) if kind == _MEMOIZE else arg] = stack[-1]
+    raise ScanError("its pickle ends before its STOP opcode")
 
 
 class RestrictedUnpickler(pickle.Unpickler):
