@@ -173,15 +173,22 @@ def read_archive(f) -> tuple:
     if "constants.pkl" in names:
         raise ArchiveError("it is a TorchScript archive (torch.jit.save), which torch.load(weights_only=True) refuses")
     if sys.byteorder != "little" or _byte_order() == b"big":
-        # The loader would byte-swap meta storages (records without a byteorder).
-        raise ArchiveError("load_checkpoint reads archives on a little-endian machine, torch.load's default order")
+        # The loader, shown no byteorder record, would byte-swap meta storages.
+        raise ArchiveError(
+            "load_checkpoint reads archives on a little-endian machine, with torch.load's default byte order "
+            "(torch.serialization.set_default_load_endianness changed it)"
+        )
     loader = _Loader(reader)
+    tls = torch.serialization._serialization_tls
+    before = tls.map_location
     try:
         obj = torch.serialization._load(loader, "meta", loader, encoding="utf-8")
     except ArchiveError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever torch.load's loader raises, it refuses
         raise ArchiveError(f"torch.load(weights_only=True) refuses it ({_first_line(e)})") from None
+    finally:
+        tls.map_location = before  # the loader leaves it set when it raises
     order = loader.order or _byte_order()
     records = _records(f, reader, loader.storages, order != sys.byteorder.encode())
     return obj, records

@@ -389,3 +389,14 @@ def test_many_records_load_as_torch_load(tmp_path):
         for i in range(20_000):
             out.writestr(f"{prefix}/extra/{i}", b"")
     loads_as(path, torch.load(path, weights_only=True))
+
+
+def test_a_refused_archive_leaves_torch_load_as_it_was(tmp_path):
+    """torch.load's loader leaves its thread-local map_location set when it raises;
+    load_checkpoint runs that loader and puts it back."""
+    path = str(tmp_path / "bad.pt")
+    with_pickle(path, _storage_of_shared_lists(2))  # refused by the loader, in persistent_load
+    before = torch.serialization._serialization_tls.map_location
+    with pytest.raises(CheckpointError):
+        load_checkpoint(build(), path)
+    assert torch.serialization._serialization_tls.map_location is before
