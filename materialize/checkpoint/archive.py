@@ -55,7 +55,6 @@ from torch import _weights_only_unpickler as weights_only
 
 from .pickle_scan import ScanError, guard
 
-_I64 = 2**63 - 1
 _ENCRYPTED_OR_PATCHED = 0x1 | 0x20 | 0x40 | 0x2000
 # Records of at most this many bytes are compared with what PyTorch's reader
 # gives; larger ones are found in the zip directory as zipfile reads it.

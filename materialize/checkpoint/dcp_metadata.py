@@ -28,7 +28,6 @@ import errno
 import io
 import math
 import os
-import pickle
 from typing import NamedTuple
 
 import torch

@@ -17,6 +17,7 @@ checkpoint's directory (:class:`.dcp.DcpCheckpoint`).
 from __future__ import annotations
 
 import io
+import math
 import os
 import stat
 import struct
@@ -174,7 +175,7 @@ class SafetensorsFile(Source):
         position = 8 + struct.unpack("<Q", head)[0]
         found = {}
         for key, name, shape in tensors:
-            nbytes = _BITS.get(name, 0) * numel(shape) // 8
+            nbytes = _BITS.get(name, 0) * math.prod(shape) // 8
             if name not in _DTYPES:
                 raise ArchiveError(f"{key!r} has dtype {name}, which PyTorch cannot hold")
             if any(d > _I64 for d in shape):
@@ -187,13 +188,6 @@ class SafetensorsFile(Source):
             found[key] = (Entry(self, key, *lay), lay)
             position += nbytes
         return found
-
-
-def numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # -- torch.save archives ----------------------------------------------------------------
