@@ -221,7 +221,13 @@ def run_mutants(jobs: list, root: str) -> tuple[list, list]:
                 procs.append((batch, _start(batch, root, runs)))
         pending = []
         for batch, proc in procs:
-            out, err = proc.communicate(timeout=1800)
+            try:
+                out, err = proc.communicate(timeout=1800)
+            except BaseException:
+                # The test's own timeout (a mutant that hangs a reader): no worker outlives it.
+                for _, other in procs:
+                    other.kill()
+                raise
             started, done = None, set()
             for line in out.splitlines():
                 if line.startswith("start "):
