@@ -16,11 +16,14 @@ storages, each storage's record named.  Between the two:
   crashes the process): both are read as ``torch.load`` reads them, and
   the elements of a big-endian archive are swapped when they are read;
 * a storage loaded twice is the first one, as ``torch.load``'s cache of CPU
-  storages makes it, whatever else the second persistent id says.
+  storages makes it, whatever size the second persistent id says; a record
+  read with two dtypes is refused (torch versions disagree on it, and
+  ``torch.save`` writes one dtype per record that holds bytes).
 
 What ``torch.load`` checks only when it reads a record's bytes is checked
-after: the record's size against its storage's.  A small record is read by
-position when PyTorch's reader gives the bytes found there; otherwise the
+after: the record's size against its storage's.  A small record of an
+archive held in memory (a small DCP chunk, read at once) is read by position
+when PyTorch's reader gives the bytes found there; otherwise the
 zip directory entry PyTorch's reader took for it (:mod:`zipfile` reads it
 too) must say: a local header where the entry says, no encryption, the
 bytes inside the file; a stored record is then read by position, a
@@ -44,6 +47,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 import zipfile
@@ -56,8 +60,11 @@ from torch import _weights_only_unpickler as weights_only
 from .pickle_scan import ScanError, guard
 
 _ENCRYPTED_OR_PATCHED = 0x1 | 0x20 | 0x40 | 0x2000
-# Records of at most this many bytes are compared with what PyTorch's reader
-# gives; larger ones are found in the zip directory as zipfile reads it.
+# Records of at most this many bytes of an archive held in memory are compared
+# with what PyTorch's reader gives; the others are found in the zip directory
+# as zipfile reads it.  Only in memory: on a file the comparison would read
+# every small record's bytes twice when the checkpoint is opened, not once
+# when it is materialized (test_checkpoint_dcp_distributed.py counts them).
 _SMALL = 1 << 16
 
 
@@ -115,12 +122,21 @@ class _Loader:
 
     def storage(self, load, saved_id):
         typed = load(saved_id)  # torch's own checks of the persistent id
-        storage_type, key = saved_id[1:3]
+        storage_type, key, _, numel = saved_id[1:5]
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         first = self.first.get(key)
+        if first is not None and first.dtype != dtype and (first._untyped_storage.nbytes() or numel):
+            # torch.save writes one dtype per record that holds bytes.  torch 2.13
+            # gives the first reference's storage, 2.15 reinterprets it or, when
+            # the sizes differ, refuses ("record size ... does not match expected
+            # size"): no answer both give, so refused.
+            raise ArchiveError(
+                f"record 'data/{key}' is read as {first.dtype} ({first._untyped_storage.nbytes()} bytes) and as "
+                f"{dtype} ({numel} element{'' if numel == 1 else 's'}): torch.save writes one dtype per record"
+            )
         if first is not None and first._untyped_storage.nbytes():
             return first
         self.first[key] = typed
-        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
         self.storages[typed._untyped_storage._cdata] = (f"data/{key}", dtype, typed._untyped_storage.nbytes())
         return typed
 
@@ -212,8 +228,8 @@ def _locate(f, size: int, reader, directory, name: str, nbytes: int) -> tuple:
     inflates to exactly its size, as PyTorch's reader requires).  ``directory()``
     gives :func:`_directory`'s."""
     header, start = reader.get_record_header_offset(name), reader.get_record_offset(name)
-    if nbytes <= _SMALL:
-        # Small: read by position if PyTorch's reader gives the bytes found there.
+    if nbytes <= _SMALL and isinstance(f, io.BytesIO):
+        # Small and in memory: by position if PyTorch's reader gives the bytes found there.
         try:
             data = reader.get_record(name)
         except Exception as e:  # noqa: BLE001

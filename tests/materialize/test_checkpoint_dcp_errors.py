@@ -211,6 +211,8 @@ def _rezip(records):
     "records, match",
     [
         (lambda n, b: (n, b[:-4] if "/data/" in n else b, zipfile.ZIP_STORED), "record 'data/0' has 60 bytes, its pickle says 64"),
+        # torch 2.15 refuses a longer record too ("record size does not match expected size").
+        (lambda n, b: (n, b + bytes(4) if "/data/" in n else b, zipfile.ZIP_STORED), "record 'data/0' has 68 bytes, its pickle says 64"),
         (lambda n, b: (None if "/data/" in n else n, b, zipfile.ZIP_STORED), "failed locating file data/0"),
         (lambda n, b: (n, pickle.dumps({"x": 1}, protocol=2) if n.endswith("data.pkl") else b, zipfile.ZIP_STORED), "not one tensor"),
     ],

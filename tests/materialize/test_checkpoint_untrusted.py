@@ -208,6 +208,56 @@ def test_a_storage_record_shorter_than_the_pickle_says_is_refused(tmp_path):
     refused(tmp_path / "short.pt", r"short.pt is not a torch.save archive .*record '.*data/0' has \d+ bytes, its pickle says")
 
 
+def test_a_storage_record_longer_than_the_pickle_says_is_refused(tmp_path):
+    """A record with more bytes than its storage: torch 2.15 refuses it ("record
+    size (52 bytes) does not match expected size"); 2.13 and 2.14 take its first
+    bytes.  load_checkpoint refuses it on every torch, naming the file and the
+    record."""
+    sd = state_dict()
+    torch.save(sd, tmp_path / "model.pt")
+    _rezip(tmp_path / "model.pt", tmp_path / "long.pt", edit=lambda n, d: d + bytes(4) if n.endswith("data/0") else d)
+    try:
+        loaded = torch.load(tmp_path / "long.pt", map_location="cpu", weights_only=True)
+    except RuntimeError as e:  # torch >= 2.15
+        assert "size" in str(e)
+    else:  # torch < 2.15: the storage is the record's first bytes
+        assert all(torch.equal(loaded[k], v) for k, v in sd.items())
+    refused(tmp_path / "long.pt", r"long.pt is not a torch.save archive .*record '.*data/0' has 52 bytes, its pickle says 48")
+
+
+@pytest.mark.parametrize("other", ["0.weight", "0.bias"], ids=["other_size", "same_size"])
+def test_a_record_read_with_two_dtypes_is_refused(tmp_path, other):
+    """The checkpoint fuzzer's mutant #663: one pickle string changed, so that a
+    float64 storage of 2 elements (16 bytes) names the record of a float32
+    tensor.  torch 2.13 gives it the float32 storage loaded first; torch 2.15
+    reinterprets it as float64 when the sizes agree and refuses it when they
+    do not ("record size (48 bytes) does not match expected size").  torch.save
+    writes one dtype per record that holds bytes, so load_checkpoint refuses
+    it, naming the file and the record (the reader before the one core loaded
+    it as 2.13 does)."""
+    sd = state_dict()
+    sd["1.bias"] = sd["1.bias"].double()
+    torch.save(sd, tmp_path / "model.pt")
+    keys = {name: str(i) for i, name in enumerate(sd)}  # torch.save numbers storages in order
+
+    def point(name, data):
+        if not name.endswith("data.pkl"):
+            return data
+        head, tail = data.split(b"DoubleStorage", 1)
+        old, new = keys["1.bias"].encode(), keys[other].encode()
+        assert tail.count(b"X\x01\x00\x00\x00" + old) >= 1
+        return head + b"DoubleStorage" + tail.replace(b"X\x01\x00\x00\x00" + old, b"X\x01\x00\x00\x00" + new, 1)
+
+    _rezip(tmp_path / "model.pt", tmp_path / "two.pt", edit=point)
+    try:
+        loaded = torch.load(tmp_path / "two.pt", map_location="cpu", weights_only=True)
+    except RuntimeError as e:  # torch >= 2.15, sizes differing
+        assert "size" in str(e)
+    else:
+        assert loaded["1.bias"].untyped_storage().data_ptr() == loaded[other].untyped_storage().data_ptr()
+    refused(tmp_path / "two.pt", rf"two.pt is not a torch.save archive .*record 'data/{keys[other]}' is read as torch.float32 .* and as torch.float64")
+
+
 def test_a_big_endian_archive_loads_as_torch_load_in_a_child_process(tmp_path):
     """``torch.load(map_location="meta")``, used to read archives before, died of
     SIGSEGV on these: the check runs where a crash cannot take the tests down."""
