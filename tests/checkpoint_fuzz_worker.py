@@ -19,6 +19,9 @@ then ``materialize_module``) and on a real one:
 * never another exception, never an error while materializing, and after a
   ``CheckpointError`` the module is exactly as it was (record and values).
 
+A distributed checkpoint (kind ``dcp``) is checked against ``dcp.load`` into
+the eager module (:func:`check_dcp`).
+
 Reproduce one mutant: ``python tests/checkpoint_fuzz_worker.py --one KIND PATH``.
 """
 
@@ -167,6 +170,75 @@ def check(kind: str, path: str, strict: bool) -> dict:
     return out
 
 
+def _dcp_reference(path: str):
+    """``dcp.load``'s values in an eager module (seeded as ours), or the exception it raises."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(SEED)
+    m = build()
+    state = m.state_dict()
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except BaseException as e:  # noqa: BLE001 - dcp.load's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        return e
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def check_dcp(path: str) -> dict:
+    """A distributed checkpoint: ``load_checkpoint`` (strict, as ``dcp.load`` wants
+    every key) gives ``dcp.load``'s values or raises ``CheckpointError``, the module
+    unchanged.  ``dcp.load`` unpickles ``.metadata`` with ``pickle.load``: it runs
+    only on mutants ``load_checkpoint`` read, whose pickle names DCP classes only."""
+    from deferinit import deferred_init, graph_of
+    from deferinit.materialize import materialize_module
+
+    out, reference = {}, None
+    for how in ("deferred", "real"):
+        torch.manual_seed(SEED)
+        if how == "deferred":
+            m = deferred_init(build)
+            state = lambda m: str(graph_of(m))  # noqa: E731
+        else:
+            m = build()
+            state = lambda m: [(k, bytes(_bits(v).numpy())) for k, v in m.state_dict().items()]  # noqa: E731
+        problem, loaded, detail = _ours(m, path, True, state(m), state)
+        out[how] = "loaded" if loaded else "refused" if problem is None else "problem"
+        if problem is None and loaded:
+            if reference is None:
+                reference = _dcp_reference(path)
+                out["reference"] = "refused" if isinstance(reference, BaseException) else "loaded"
+            if isinstance(reference, BaseException):
+                problem = f"loaded what dcp.load refuses ({type(reference).__name__}: {str(reference)[:300]})"
+            else:
+                try:
+                    if how == "deferred":
+                        materialize_module(m)
+                    problem = _same({k: v.clone() for k, v in m.state_dict().items()}, reference)
+                except Exception as e:  # noqa: BLE001
+                    problem = f"materializing raised {type(e).__name__}: {e}"
+        if problem is not None:
+            out["problem"] = f"{how} module: {problem}"
+            return out
+        out[f"{how}_error"] = detail if not loaded else None
+    return out
+
+
+def save_sharded(rank: int, world_size: int, values: dict, path: str) -> dict:
+    """``dcp.save`` of the module holding ``values``, its parameters sharded by FSDP2
+    over the ranks (a seed of the distributed checkpoint fuzzer: chunks per rank)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    m = build()
+    m.load_state_dict(values)
+    fully_shard(m, mesh=init_device_mesh("cpu", (world_size,)))
+    dcp.save(m.state_dict(), checkpoint_id=path)
+    return {"saved": True}
+
+
 def main(jobs_path: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -174,7 +246,7 @@ def main(jobs_path: str) -> None:
         jobs = [json.loads(line) for line in f]
     for job in jobs:
         print(f"start {job['i']}", flush=True)
-        out = check(job["kind"], job["path"], job["strict"])
+        out = check_dcp(job["path"]) if job["kind"] == "dcp" else check(job["kind"], job["path"], job["strict"])
         out["i"] = job["i"]
         print(json.dumps(out), flush=True)
 
@@ -182,6 +254,7 @@ def main(jobs_path: str) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--one":
         warnings.simplefilter("ignore")
-        print(json.dumps(check(sys.argv[2], sys.argv[3], True), indent=1))
+        one = check_dcp(sys.argv[3]) if sys.argv[2] == "dcp" else check(sys.argv[2], sys.argv[3], True)
+        print(json.dumps(one, indent=1))
     else:
         main(sys.argv[1])

@@ -3,8 +3,15 @@
 Seeds are valid checkpoints of :class:`checkpoint_fuzz_worker.Holder`'s keys:
 a safetensors file; ``torch.save`` archives (torch's own layout with tensors
 that are strided views sharing storages, the same re-zipped by ``zipfile``
-stored and deflated, a big-endian one, and the same as a legacy non-zip file); folders with an index over two
+stored and deflated, and a big-endian one); folders with an index over two
 safetensors shards and over two ``torch.save`` shards.
+
+Distributed checkpoints (``dcp.save`` by one process, and by two FSDP2
+ranks) are mutated through their metadata as PyTorch's objects (offsets,
+lengths, file names leaving the folder or missing, dtypes, shapes, chunks,
+keys, index entries, hostile nesting spliced into the pickle), their
+chunks' archives (as ``torch.save`` archives are), their bytes, and
+symbolic links leaving the folder (``.metadata`` included).
 
 A mutant is a seed after one to three mutations drawn from a seeded
 ``random.Random``; each mutation returns a description, so a failure names
@@ -14,9 +21,7 @@ JSON number forms, padding, nesting), zip archives (records shortened,
 swapped, renamed, removed, added, re-zipped; central-directory, local-header
 and end-record fields; the pickle's integers, keys, storage types and bytes
 with its CRC fixed; the state dict shared, cyclic, nested too deep or keyed
-by tuples nested too deep; ``byteorder``; ``version``), legacy (non-zip)
-``torch.save`` files (their object pickle, storage counts, truncation),
-index files (names leaving
+by tuples nested too deep; ``byteorder``; ``version``), index files (names leaving
 the folder, missing files, wrong types, symbolic links); and plain bytes
 (truncation, bit flips, insertions, deletions, garbage appended).
 """
@@ -26,10 +31,13 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import pickletools
 import random
 import struct
 import zipfile
+
+import torch
 
 from checkpoint_zip import crc_patch, rezip, zip_fields
 
@@ -402,41 +410,176 @@ def index_mutation(folder: str, secret: str, rng: random.Random) -> str:
     return what
 
 
+# -- distributed checkpoints ----------------------------------------------------------
 
-# -- legacy torch.save files ------------------------------------------------------
-
-
-def legacy_parts(blob: bytes) -> list:
-    """The spans of a legacy file's five pickles, then ``(count, data)`` spans of its storages."""
-    f = io.BytesIO(blob)
-    spans = []
-    for _ in range(5):
-        start = f.tell()
-        for _op in pickletools.genops(f):
-            pass
-        spans.append((start, f.tell()))
-    return spans
+# A field set to this string is replaced, in the pickled metadata, by hostile pickle bytes.
+_PLACEHOLDER = "PLACEHOLDER-of-the-fuzzer"
+_DTYPES = [torch.float64, torch.float16, torch.int32, torch.bool, torch.complex64, torch.uint8, torch.bfloat16]
 
 
-def legacy_mutation(blob: bytes, rng: random.Random) -> tuple[bytes, str]:
-    """A legacy (non-zip) ``torch.save`` file's object pickle, storage counts or storage bytes changed."""
+def _hostile_value(rng: random.Random) -> tuple[bytes, str]:
+    """Pickle bytes (protocol 2 to 4) of one value: a deep tuple, tuples sharing
+    tuples through the memo (memo indices far from the pickle's own), deep lists."""
+    how = rng.choice(["deep tuple", "shared tuples", "deep list", "long tuple"])
+    if how == "deep tuple":
+        n = rng.choice([1001, 100_000, 1_000_000])
+        return b")" + b"\x85" * n, f"a tuple nested {n} deep"
+    if how == "shared tuples":
+        levels = rng.choice([30, 64])
+        base = 1 << 20
+        out = b")" + b"r" + struct.pack("<I", base)
+        for i in range(levels):
+            out += b"j" + struct.pack("<I", base + i) + b"j" + struct.pack("<I", base + i) + b"\x86r" + struct.pack("<I", base + i + 1)
+        return out, f"tuples sharing tuples {levels} levels deep"
+    if how == "deep list":
+        n = rng.choice([1000, 200_000])
+        return b"]" * n + b"a" * (n - 1), f"a list nested {n} deep"
+    n = rng.choice([10, 100_000])
+    return b"(" + b"K\x01" * n + b"t", f"a tuple of {n} ones"
+
+
+def _metadata_bytes(meta, hostile: bytes | None = None) -> bytes:
+    """``meta`` pickled as dcp.save pickles it, or (``hostile``) in protocol 2 (no
+    frames) with the placeholder's string replaced by ``hostile``."""
+    if hostile is None:
+        return pickle.dumps(meta)
+    text = _PLACEHOLDER.encode()
+    return pickle.dumps(meta, protocol=2).replace(b"X" + struct.pack("<I", len(text)) + text, hostile, 1)
+
+
+def _storage_items(meta) -> list:
+    return sorted(meta.storage_data.items(), key=lambda kv: (kv[0].fqn, tuple(kv[0].offset or ())))
+
+
+def dcp_mutation(folder: str, state: dict, secret: str, rng: random.Random) -> str:
+    """Mutate the distributed checkpoint ``folder`` in place; return what was done.
+    ``state["meta"]`` is its metadata as a ``Metadata`` object (None once an
+    earlier mutation left bytes no object stands for); ``secret`` is a file
+    outside the folder."""
     try:
-        spans = legacy_parts(blob)
-    except Exception:  # noqa: BLE001 - already broken
-        return bytes_mutation(blob, rng)
-    start, end = spans[3]
-    how = rng.choice(["pickle", "pickle", "pickle", "count", "truncate", "keys"])
-    if how == "pickle":
-        new, what = pickle_mutation(blob[start:end], rng)
-        return blob[:start] + new + blob[end:], f"legacy object {what}"
-    data_at = spans[4][1]
-    if how == "count" and len(blob) >= data_at + 8:
-        count = struct.unpack_from("<q", blob, data_at)[0]
-        new = rng.choice([count + 1, count - 1, 0, 2 * count, 2**40, -1])
-        return blob[:data_at] + struct.pack("<q", new) + blob[data_at + 8:], f"legacy first storage count {count} -> {new}"
-    if how == "keys":
-        k0, k1 = spans[4]
-        new, what = pickle_mutation(blob[k0:k1], rng)
-        return blob[:k0] + new + blob[k1:], f"legacy keys {what}"
-    cut = rng.randrange(data_at, len(blob))
-    return blob[:cut], f"legacy truncated at {cut} of {len(blob)}"
+        return _dcp_mutation(folder, state, secret, rng)
+    except Exception as e:  # noqa: BLE001 - an earlier mutation left what this one cannot change: bytes
+        state["meta"] = None
+        return f"({type(e).__name__}) " + _dcp_mutation(folder, state, secret, rng)
+
+
+def _dcp_mutation(folder: str, state: dict, secret: str, rng: random.Random) -> str:
+    import torch.distributed.checkpoint.metadata as md
+
+    path = os.path.join(folder, ".metadata")
+    chunks = sorted(n for n in os.listdir(folder) if n.endswith(".distcp"))
+    meta = state.get("meta")
+    kinds = ["offset", "length", "path", "dtype", "shape", "chunk", "chunk", "key", "item", "index", "hostile",
+             "archive", "archive", "archive", "metadata bytes", "chunk bytes", "link"]
+    how = rng.choice(kinds if meta is not None else ["metadata bytes", "chunk bytes", "link"])
+    if how in ("metadata bytes", "chunk bytes"):
+        target = path if how == "metadata bytes" or not chunks else os.path.join(folder, rng.choice(chunks))
+        with open(target, "rb") as f:
+            blob = f.read()
+        blob, what = bytes_mutation(blob, rng)
+        with open(target, "wb") as f:
+            f.write(blob)
+        if target == path:
+            state["meta"] = None
+        return f"{os.path.basename(target)} bytes: {what}"
+    if how == "link":
+        # A file moved out of the folder (or beside itself) and a symbolic link left in its place.
+        name = ".metadata" if rng.random() < 0.5 or not chunks else rng.choice(chunks)
+        outside = rng.random() < 0.7
+        target = os.path.join(os.path.dirname(secret), name) if outside else os.path.join(folder, name + ".real")
+        os.replace(os.path.join(folder, name), target)
+        os.symlink(target, os.path.join(folder, name))
+        return f"{name} -> symlink to {target}"
+    items = _storage_items(meta)
+    index, info = rng.choice(items) if items else (None, None)
+    keys = sorted(k for k, v in meta.state_dict_metadata.items() if isinstance(v, md.TensorStorageMetadata))
+    key = rng.choice(keys) if keys else None
+    hostile = None
+    if how in ("offset", "length") and info is not None:
+        size = os.path.getsize(os.path.join(folder, info.relative_path))
+        old = getattr(info, how)
+        new = rng.choice([old + 1, old - 1, old + rng.randrange(1, 64), 0, size, size - old, 1 << 62, -5, "12", None, 1.5])
+        setattr(info, how, new)
+        what = f"{index.fqn} {how} {old} -> {new!r}"
+    elif how == "path" and info is not None:
+        new = rng.choice(["../" + os.path.basename(secret), secret, "/etc/passwd", "missing.distcp", "", ".", 7, None,
+                          "sub/../" + info.relative_path, "./" + info.relative_path, *chunks])
+        info.relative_path = new
+        what = f"{index.fqn} relative_path -> {new!r}"
+    elif how == "dtype" and key is not None:
+        new = rng.choice(_DTYPES + ["float32", None])
+        meta.state_dict_metadata[key].properties.dtype = new
+        what = f"{key} dtype -> {new}"
+    elif how == "shape" and key is not None:
+        item = meta.state_dict_metadata[key]
+        size = list(item.size)
+        choice = rng.choice(["grow", "shrink", "zero", "huge", "extra", "drop", "type"])
+        if choice in ("grow", "shrink", "zero", "huge") and size:
+            d = rng.randrange(len(size))
+            size[d] = {"grow": size[d] + 1, "shrink": max(size[d] - 1, 0), "zero": 0, "huge": 1 << 62}[choice]
+        elif choice == "extra":
+            size.append(1)
+        elif choice == "drop" and size:
+            size.pop()
+        item.size = torch.Size(size) if choice != "type" else [float(n) for n in size]
+        what = f"{key} size -> {item.size}"
+    elif how == "chunk" and key is not None:
+        item = meta.state_dict_metadata[key]
+        choice = rng.choice(["offsets", "sizes", "duplicate", "remove", "swap"])
+        c = rng.randrange(len(item.chunks)) if item.chunks else None
+        if choice in ("offsets", "sizes") and c is not None:
+            values = list(getattr(item.chunks[c], choice))
+            if values:
+                d = rng.randrange(len(values))
+                values[d] = rng.choice([values[d] + 1, max(values[d] - 1, 0), 0, 1 << 40])
+            setattr(item.chunks[c], choice, torch.Size(values))
+        elif choice == "duplicate" and c is not None:
+            item.chunks.append(item.chunks[c])
+        elif choice == "remove" and c is not None:
+            item.chunks.pop(c)
+        elif choice == "swap" and len(keys) > 1:
+            other = meta.state_dict_metadata[rng.choice([k for k in keys if k != key])]
+            item.chunks, other.chunks = other.chunks, item.chunks
+        what = f"{key} chunks: {choice} {c}"
+    elif how == "key" and key is not None:
+        new = key + rng.choice(["x", ".weight", ""]) if rng.random() < 0.7 else rng.choice(keys)
+        meta.state_dict_metadata[new] = meta.state_dict_metadata.pop(key) if rng.random() < 0.5 else meta.state_dict_metadata[key]
+        what = f"key {key} -> {new}"
+    elif how == "item" and key is not None:
+        new = rng.choice([md.BytesStorageMetadata(), None, [], md.TensorStorageMetadata(
+            md.TensorProperties(torch.float32), torch.Size([2]), [])])
+        meta.state_dict_metadata[key] = new
+        what = f"{key} -> {type(new).__name__}"
+    elif how == "index" and index is not None:
+        meta.storage_data.pop(index)
+        offset = list(index.offset or ())
+        if offset and rng.random() < 0.7:
+            offset[rng.randrange(len(offset))] += 1
+        new = md.MetadataIndex(rng.choice([index.fqn, index.fqn + "x"]), offset)
+        meta.storage_data[new] = info
+        what = f"storage index {index} -> {new}"
+    elif how == "hostile":
+        hostile, what = _hostile_value(rng)
+        targets = [(info, "offset"), (info, "relative_path")] if info is not None else []
+        if key is not None:
+            targets += [(meta.state_dict_metadata[key], "size"), (meta.state_dict_metadata[key].properties, "dtype")]
+        obj, field = rng.choice(targets) if targets else (meta, "planner_data")
+        setattr(obj, field, _PLACEHOLDER)
+        what = f"{type(obj).__name__}.{field} -> {what}"
+        state["meta"] = None
+    elif how == "archive" and info is not None and info.relative_path in chunks and type(info.offset) is type(info.length) is int:
+        # A chunk's torch.save archive mutated, written at the end of its file.
+        file = os.path.join(folder, info.relative_path)
+        with open(file, "rb") as f:
+            data = f.read()
+        archive = data[info.offset : info.offset + info.length]
+        new, what = torch_mutation(archive, rng)
+        with open(file, "ab") as f:
+            f.write(new)
+        info.offset, info.length = len(data), len(new)
+        what = f"{index.fqn}'s chunk archive: {what}"
+    else:
+        return "nothing"
+    with open(path, "wb") as f:
+        f.write(_metadata_bytes(meta, hostile))
+    return what

@@ -265,7 +265,7 @@ def test_a_loaded_deferred_module_frees_its_record_and_checkpoint_without_gc(tmp
     from safetensors.torch import save_file
 
     from deferinit.materialize import load_checkpoint
-    from deferinit.materialize.checkpoint.files import CheckpointFile
+    from deferinit.materialize.checkpoint.files import Source
 
     save_file(nn.Linear(8, 8).state_dict(), tmp_path / "m.safetensors")
     m = deferred_init(nn.Linear, 8, 8)
@@ -273,7 +273,7 @@ def test_a_loaded_deferred_module_frees_its_record_and_checkpoint_without_gc(tmp
     node = m.weight._storage.head
     assert node.kind == "load"
     file = weakref.ref(node.payload.source)
-    assert isinstance(file(), CheckpointFile)
+    assert isinstance(file(), Source)  # the one checkpoint-source base (files and DCP)
     ref = weakref.ref(_record_of(m))
     del node
     gc.disable()

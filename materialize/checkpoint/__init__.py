@@ -1,16 +1,17 @@
 """Checkpoints into modules: ``load_checkpoint``, lazily on deferred tensors.
 
 ``api.py`` (the entry point), ``sources.py`` (what a source may be),
-``files.py`` (safetensors and ``torch.save`` files read by position),
+``files.py`` (sources read by position: safetensors and ``torch.save``
+files), ``archive.py`` (a ``torch.save`` archive as torch's own loader
+reads it), ``pickle_scan.py`` (the guard of every pickle),
 ``entries.py`` (one tensor of a checkpoint), ``copying.py`` (strided
 reads straight into a tensor), ``capture.py`` (the module's own
 ``load_state_dict`` run on stand-ins), ``matching.py`` (keys, and what to
 say when they do not fit), ``loading.py`` (load nodes on deferred tensors,
 staged copies into real ones), ``undo.py`` (what a failed call puts back),
 ``blocks.py`` (the block a DTensor holds), ``dcp.py`` with
-``dcp_metadata.py``, ``dcp_chunks.py`` and ``zipcheck.py`` (PyTorch
-distributed checkpoints), ``fingerprints.py`` (digests of loaded values
-ranks compare).
+``dcp_metadata.py`` (PyTorch distributed checkpoints),
+``fingerprints.py`` (digests of loaded values ranks compare).
 
 Example::
 

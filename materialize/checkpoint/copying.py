@@ -7,7 +7,8 @@ destination is any real tensor of shape ``sizes``.  The index space is cut
 into *runs*, stretches contiguous in the file and in the destination, and
 each run is read with one ``pread`` straight into the destination's memory
 when its dtype is the file's and it lives on the CPU: no intermediate copy,
-and the file's pages stay in the page cache, not in this process.
+and the file's pages stay in the page cache, not in this process (bools
+are then stored as 0 or 1, as ``copy_`` stores them).
 Otherwise (another dtype, another device) rows of at most
 :data:`CHUNK_BYTES` are read into a buffer and copied with ``copy_``, which
 casts as ``load_state_dict`` does.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import numpy
 import torch
 
 # Bytes read into one intermediate buffer when the destination cannot take
@@ -76,6 +78,10 @@ def copy_strided(read, base: int, dtype: torch.dtype, offset: int, sizes, stride
         for s, d in zip(src_off.tolist(), dst_off.tolist()):
             at = (start + d) * size
             read(base + (offset + s) * size, memory[at : at + n])
+            if dtype == torch.bool:
+                # copy_ stores a bool as 0 or 1, whatever byte the file holds.
+                raw = numpy.frombuffer(memory[at : at + n], dtype=numpy.uint8)
+                numpy.minimum(raw, 1, out=raw)
         torch._C._increment_version((dst,))
         return len(src_off) * n
     if not sizes:

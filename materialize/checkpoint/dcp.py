@@ -5,12 +5,14 @@ A directory written by ``dcp.save`` (``FileSystemWriter``) holds a
 for every tensor, its dtype, its size and its *chunks* (the blocks each
 saving rank held: offsets and sizes), and where each chunk is stored
 (:mod:`.dcp_metadata`); each chunk is a ``torch.save`` archive inside a
-``.distcp`` file (:mod:`.dcp_chunks`).  Opening the directory reads the
-metadata and every chunk's archive header, nothing else.
+``.distcp`` file, read as ``dcp.load`` reads it (``torch.load`` of the
+file's stretch), by the reader of every archive (:mod:`.archive`): nothing
+but its header.  Opening the directory reads the metadata and every
+chunk's header, nothing else.
 
-Each tensor becomes an :class:`Entry` over a :class:`DcpTensor`, whose
-element space is the whole tensor in row-major order, as for a
-safetensors file: loads, shards and the parts replay asks for are
+:class:`DcpCheckpoint` is a :class:`~.files.Source`: each tensor is an
+:class:`Entry` whose element space is the whole tensor in row-major order,
+as for a safetensors file: loads, shards and the parts replay asks for are
 described in it the same way.  Reading a part (a block of rows, a column
 block, what a rank keeps) finds the chunks it meets and reads from each
 only the elements inside the part, straight into the destination: a rank
@@ -28,24 +30,27 @@ Example::
 
 from __future__ import annotations
 
+import io
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
 from deferinit.boxes import as_box, intersect, slab
-from deferinit.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
+from deferinit.errors import CheckpointError
 
-from .dcp_chunks import chunk_layout, read_into
+from .archive import ArchiveError, Record, layout, read_archive
+from .copying import copy_strided
 from .dcp_metadata import METADATA, read_metadata, tensors
 from .entries import Entry, contiguous_strides
-from .files import open_to_read
+from .files import Source, Window, identity, open_regular, open_to_read, record_reader
 
 
 def is_dcp_directory(path: str) -> bool:
     """Whether ``path`` is a distributed checkpoint (it has a ``.metadata`` file,
     or only the per-rank ``__<rank>.metadata`` files of a save without collectives)."""
-    if os.path.isfile(os.path.join(path, METADATA)):
+    if os.path.lexists(os.path.join(path, METADATA)):
         return True
     try:
         return any(n.startswith("__") and n.endswith(METADATA) for n in os.listdir(path))
@@ -55,126 +60,91 @@ def is_dcp_directory(path: str) -> bool:
 
 def open_dcp(path: str) -> dict:
     """``key -> Entry`` of the distributed checkpoint directory ``path``."""
-    return DcpCheckpoint(path).entries()
+    return DcpCheckpoint(path).open()
 
 
-def _identity(path: str) -> tuple:
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+class ChunkLayout(NamedTuple):
+    """Where a chunk's elements are: its record in the archive at ``[start, start +
+    length)`` of its file; the chunk is ``offset``, ``sizes``, ``strides`` in it."""
+
+    dtype: torch.dtype
+    record: Record
+    offset: int
+    sizes: tuple
+    strides: tuple
+    start: int
+    length: int
 
 
-class DcpCheckpoint:
+def chunk_layout(f, start: int, length: int, what: str) -> ChunkLayout:
+    """The layout of the one tensor ``torch.save``\\ d at ``[start, start + length)``
+    of the open file ``f``; :class:`ArchiveError` for anything else."""
+    window = Window(f.fileno(), start, length)
+    # A small archive (PyTorch's reader reads its last 4 KiB anyway) is read at once.
+    obj, records = read_archive(io.BytesIO(window.read()) if length <= 8192 else window)
+    if type(obj) not in (torch.Tensor, torch.nn.Parameter):
+        raise ArchiveError(f"it holds a {type(obj).__name__}, not one tensor")
+    record, offset, strides = layout(obj, records, what)
+    return ChunkLayout(obj.dtype, record, offset, tuple(obj.shape), tuple(strides), start, length)
+
+
+class DcpCheckpoint(Source):
     """One checkpoint directory: its tensors' layouts, and the identity of its files."""
 
+    what = "not a distributed checkpoint load_checkpoint reads"
+
     def __init__(self, path: str):
-        self.path = os.path.abspath(os.fspath(path))
-        if not os.path.isfile(os.path.join(self.path, METADATA)):
+        super().__init__(path)
+        if not os.path.lexists(os.path.join(self.path, METADATA)):
             raise CheckpointError(
                 f"{self.path} has per-rank metadata files (__<rank>.metadata, a save without "
                 "collectives) and no .metadata: each describes one rank's shards only. Load it "
                 "with torch.distributed.checkpoint.load on the same ranks, or save with a process group."
             )
-        self.layouts, self.identities, self.save_id = self._parse(CheckpointError)
-
-    def _parse(self, error):
-        try:
-            identities = {METADATA: _identity(os.path.join(self.path, METADATA))}
-            meta = read_metadata(self.path)
-            infos = tensors(meta, self.path)
-        except CheckpointError as e:
-            if error is CheckpointError and isinstance(e, CheckpointNotFoundError):
-                raise
-            raise error(str(e)) from None
-        except OSError as e:
-            raise error(f"cannot read {self.path}: {e.strerror or e}") from None
-        layouts = {}
-        by_file: dict = {}
-        for key, info in infos.items():
-            for i, chunk in enumerate(info.chunks):
-                by_file.setdefault(chunk.file, []).append((key, i, chunk))
-            layouts[key] = [info.dtype, info.shape, [None] * len(info.chunks), info.chunks]
-        for name, items in by_file.items():
-            full = os.path.join(self.path, name)
-            try:
-                fd = os.open(full, os.O_RDONLY)
-            except OSError as e:
-                raise error(f"cannot read {full}: {e.strerror or e}") from None
-            try:
-                identities[name] = _identity(full)
-                for key, i, chunk in items:
-                    what = f"{key!r} of {self.path}"
-                    try:
-                        layout = chunk_layout(fd, full, chunk.start, chunk.length, what)
-                    except CheckpointError as e:
-                        raise error(str(e)) from None
-                    dtype = layouts[key][0]
-                    if layout.dtype != dtype or layout.sizes != chunk.sizes:
-                        raise error(
-                            f"{what}: the chunk at {list(chunk.offsets)} holds {list(layout.sizes)} "
-                            f"{layout.dtype}, the metadata says {list(chunk.sizes)} {dtype}."
-                        )
-                    layouts[key][2][i] = layout
-            finally:
-                os.close(fd)
-        layouts = {key: (dtype, shape, tuple(zip(chunks, found))) for key, (dtype, shape, found, chunks) in layouts.items()}
-        save_id = getattr(getattr(meta, "storage_meta", None), "save_id", None)
-        return layouts, identities, save_id if isinstance(save_id, str) else None
-
-    def entries(self) -> dict:
-        out = {}
-        for key, (dtype, shape, _) in self.layouts.items():
-            out[key] = Entry(DcpTensor(self, key), key, dtype, shape, 0, 0, contiguous_strides(shape))
-        return out
 
     def describe(self) -> str:
         return f"the distributed checkpoint {self.path}"
 
-    def check(self, key: str) -> None:
-        """The files ``key`` is read from are still those opened, or say the same about it."""
-        names = {METADATA} | {chunk.file for chunk, _ in self.layouts[key][2]}
-        try:
-            same = all(_identity(os.path.join(self.path, n)) == self.identities.get(n) for n in names)
-        except OSError as e:
-            raise CheckpointReadError(
-                f"cannot read {key!r} of {self.describe()}: {e.strerror or e} (it was there when "
-                "load_checkpoint read its metadata). Nothing was changed; the tensors stay deferred."
-            ) from None
-        if same:
-            return
-        try:
-            layouts, identities, save_id = self._parse(CheckpointReadError)
-        except CheckpointReadError as e:
-            raise CheckpointReadError(
-                f"{e} It changed since load_checkpoint read it. Nothing was changed; the tensors stay deferred."
-            ) from None
-        if layouts.get(key) != self.layouts[key] or save_id != self.save_id:
-            # Another save over the same directory has another save_id, even
-            # with every chunk where it was.
-            raise CheckpointReadError(
-                f"{self.describe()} changed since load_checkpoint read it: {key!r} is no longer stored "
-                "as it was, or another save replaced it. Call load_checkpoint again. Nothing was "
-                "changed; the tensors stay deferred."
-            )
-        self.identities.update(identities)
+    def files(self, key: str) -> list:
+        return [os.path.join(self.path, METADATA)] + [
+            os.path.join(self.path, chunk.file) for chunk, _ in self.layouts[key][2]]
 
-
-class DcpTensor:
-    """One tensor of a distributed checkpoint, the source of its :class:`Entry`:
-    reads any part of it from the chunks that hold that part."""
-
-    def __init__(self, checkpoint: DcpCheckpoint, key: str):
-        self.checkpoint = checkpoint
-        self.key = key
-
-    def describe(self) -> str:
-        return self.checkpoint.describe()
-
-    def check(self, entry) -> None:
-        self.checkpoint.check(self.key)
+    def _parse(self, identities: dict) -> dict:
+        identities[os.path.join(self.path, METADATA)] = identity(os.path.join(self.path, METADATA))
+        meta = read_metadata(self.path)
+        save_id = getattr(vars(meta).get("storage_meta"), "save_id", None)
+        infos = tensors(meta, self.path)
+        by_file: dict = {}
+        for key, info in infos.items():
+            for i, chunk in enumerate(info.chunks):
+                by_file.setdefault(chunk.file, []).append((key, i, chunk))
+        found = {key: [None] * len(info.chunks) for key, info in infos.items()}
+        for name, items in by_file.items():
+            full = os.path.join(self.path, name)
+            with open_regular(full) as f:
+                st = os.fstat(f.fileno())
+                identities[full] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+                for key, i, chunk in items:
+                    what = f"{key!r} of {self.path}: the chunk at bytes {chunk.start}..{chunk.start + chunk.length} of {full}"
+                    try:
+                        lay = chunk_layout(f, chunk.start, chunk.length, "its tensor")
+                    except ArchiveError as e:
+                        raise CheckpointError(f"{what} is not a torch.save archive torch.load reads: {e}.") from None
+                    dtype = infos[key].dtype
+                    if lay.dtype != dtype or lay.sizes != chunk.sizes:
+                        raise CheckpointError(
+                            f"{what} holds {list(lay.sizes)} {lay.dtype}, the metadata says {list(chunk.sizes)} {dtype}."
+                        )
+                    found[key][i] = lay
+        out = {}
+        for key, info in infos.items():
+            lay = (info.dtype, info.shape, tuple(zip(info.chunks, found[key])), save_id if isinstance(save_id, str) else None)
+            out[key] = (Entry(self, key, info.dtype, info.shape, 0, 0, contiguous_strides(info.shape)), lay)
+        return out
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         """Read the elements ``offset + i . strides`` of the tensor into ``dst``."""
-        dtype, shape, chunks = self.checkpoint.layouts[self.key]
+        dtype, shape, _, _ = self.layouts[entry.key]
         sizes = tuple(sizes)
         if math.prod(sizes) == 0:
             return 0
@@ -199,28 +169,23 @@ class DcpTensor:
 
     def _read_box(self, box, dst, via, entry) -> int:
         start, sizes = box
-        _, _, chunks = self.checkpoint.layouts[self.key]
         work: dict = {}
-        for chunk, layout in chunks:
+        for chunk, lay in self.layouts[entry.key][2]:
             common = intersect(start, sizes, chunk.offsets, chunk.sizes)
             if common is not None:
-                work.setdefault(chunk.file, []).append((chunk, layout, common))
+                work.setdefault(chunk.file, []).append((chunk, lay, common))
         done = 0
         for name, items in work.items():
-            full = os.path.join(self.checkpoint.path, name)
-            fd = open_to_read(full, entry)
+            fd = open_to_read(os.path.join(self.path, name), entry)
             try:
-                for chunk, layout, (at, extent) in items:
+                for chunk, lay, (at, extent) in items:
                     view = dst
                     for d, (i, n) in enumerate(zip(at, extent)):
                         view = view.narrow(d, i - start[d], n)
-                    inside = tuple(i - o for i, o in zip(at, chunk.offsets))
-                    done += read_into(fd, full, layout, inside, extent, view, via)
-            except EOFError as e:
-                raise CheckpointReadError(
-                    f"cannot read {entry.describe()}: {e} (the file is truncated). Nothing was changed; "
-                    "the tensors stay deferred."
-                ) from None
+                    first = lay.offset + sum((i - o) * s for i, o, s in zip(at, chunk.offsets, lay.strides))
+                    read = record_reader(lay.record, entry, fd, lay.start, lay.length)
+                    base = lay.start + lay.record.position if lay.record.position is not None else 0
+                    done += copy_strided(read, base, lay.dtype, first, extent, lay.strides, view, via)
             finally:
                 os.close(fd)
         return done

@@ -1,100 +1,116 @@
-"""Checkpoint files: safetensors and ``torch.save`` archives, read by position.
+"""Checkpoints read by position: the source of file tensors, and its safetensors and ``torch.save`` files.
 
-Opening a file reads its header only, and checks it as untrusted input:
-safetensors' JSON header by every rule of the format
-(:mod:`.safetensors_header`), a ``torch.save`` zip archive through its
-central directory and local headers (:mod:`.torch_zip`) and its pickle by
-PyTorch's weights-only unpickler onto meta storages (:mod:`.torch_pickle`).
-Every tensor is then known to lie inside the file.  Tensors are read later,
-piece by piece, with ``pread`` at those positions (:mod:`.copying`); a
-record a zip tool deflated is decompressed whole when read, and the
-elements of a big-endian archive are byte-swapped as ``torch.load`` swaps
-them.  The file's identity (device, inode, size, modification time) is kept: before a replay
-reads it, :meth:`CheckpointFile.check` makes sure it is the same file, or
-at least that its header still says the same about every tensor.
+A :class:`Source` is a checkpoint whose tensors lie at known positions in
+files whose identity (device, inode, size, modification time) it keeps.
+Opening one reads and checks its headers only, as untrusted input; its
+tensors are read later, piece by piece, with ``pread`` straight into their
+final memory (:mod:`.copying`), every byte asked for (a file cut short
+since is an error, never a SIGBUS); and before a replay reads it,
+:meth:`Source.check` makes sure its files are those opened, or at least
+that their headers still say the same about the tensor (check, then
+re-parse).  Sources: :class:`SafetensorsFile` (its header read and checked
+by the safetensors library), :class:`TorchFile` (a ``torch.save`` archive,
+read by torch's own loader: :mod:`.archive`), and a distributed
+checkpoint's directory (:class:`.dcp.DcpCheckpoint`).
 """
 
 from __future__ import annotations
 
+import io
+import math
 import os
 import stat
-import sys
+import struct
 
 import numpy
 import torch
 
 from deferinit.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 
+from .archive import ArchiveError, inflate, layout, read_archive
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
-from .safetensors_header import HeaderError, read_header
 from .nested import flatten_tensors
-from .torch_legacy import parse_legacy
-from .torch_pickle import PickleError, check_geometry, unpickle
-from .torch_zip import Archive, ArchiveError
+
+_I64 = 2**63 - 1
+_NOTHING_CHANGED = " Nothing was changed; the tensors stay deferred."
 
 
-def _identity(st) -> tuple:
+def identity(path: str) -> tuple:
+    st = os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-class CheckpointFile:
-    """A checkpoint file: its path, identity, and the layout of each tensor in it.
+class Source:
+    """A checkpoint read by position: its files' identities and the layout of each
+    tensor (what a re-parse must find again).  Subclasses parse (:meth:`_parse`:
+    ``key -> (Entry, layout)``, the files read noted in ``identities``) and copy."""
 
-    Open one with :meth:`open`, which returns its :class:`Entry` objects; the
-    file keeps only their layouts (entries point to their file, never the
-    reverse: the record that holds entries frees them by reference counting).
-    """
-
-    kind = "checkpoint"
     # What a file of this kind is not when it is refused, for error messages.
     what = "not a checkpoint file"
 
     def __init__(self, path: str):
         self.path = os.path.abspath(os.fspath(path))
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"no checkpoint at {self.path}: no such file or directory.", self.path) from None
-        except OSError as e:
-            raise CheckpointError(f"cannot open the checkpoint {self.path}: {e.strerror or e}") from None
-        self.identity = _identity(st)
+        self.identities: dict = {}
         self.layouts: dict = {}
 
-    @classmethod
-    def open(cls, path: str) -> dict:
-        """``key -> Entry`` of the file at ``path`` (its header read and checked)."""
-        file = cls(path)
-        entries = file.parse(CheckpointError)
-        file.layouts = {key: file.layout(e) for key, e in entries.items()}
-        return entries
+    def open(self) -> dict:
+        """``key -> Entry`` (the headers read and checked)."""
+        found, self.identities = self.parse(CheckpointError)
+        self.layouts = {key: lay for key, (_, lay) in found.items()}
+        return {key: entry for key, (entry, _) in found.items()}
 
-    def parse(self, error) -> dict:
-        """Read and check the header; ``error``: the class to raise."""
+    def parse(self, error) -> tuple[dict, dict]:
+        """``(key -> (Entry, layout), identities)``; ``error``: the class raised."""
+        identities: dict = {}
         try:
-            with open_regular(self.path, error) as f:
-                st = os.fstat(f.fileno())
-                entries = self._parse(f, st.st_size)
-        except (HeaderError, ArchiveError, PickleError) as e:
+            return self._parse(identities), identities
+        except ArchiveError as e:
             raise error(f"{self.path} is {self.what}: {e}.") from None
+        except CheckpointError as e:
+            if isinstance(e, CheckpointNotFoundError) and error is CheckpointError:
+                raise
+            raise error(str(e)) from None
         except OSError as e:
             raise error(f"cannot read {self.path}: {e.strerror or e}") from None
-        self.identity = _identity(st)
-        return entries
 
-    def _parse(self, f, size: int) -> dict:
+    def _parse(self, identities: dict) -> dict:
         raise NotImplementedError
 
-    def layout(self, e: Entry) -> tuple:
-        return (e.dtype, e.shape, e.base, e.offset, e.strides)
+    def files(self, key: str) -> list:
+        """The files ``key``'s tensor is read from (and whose header says where)."""
+        return [self.path]
 
     def describe(self) -> str:
         return self.path
 
-    # -- reading ------------------------------------------------------------
+    def check(self, entry) -> None:
+        """The files ``entry`` is read from are still those opened, or say the same about it."""
+        try:
+            same = all(identity(p) == self.identities.get(p) for p in self.files(entry.key))
+        except OSError as e:
+            raise CheckpointReadError(
+                f"cannot read {entry.describe()}: {e.strerror or e} (it was there when load_checkpoint read its "
+                f"header).{_NOTHING_CHANGED}"
+            ) from None
+        if same:
+            return
+        try:
+            found, identities = self.parse(CheckpointReadError)
+        except CheckpointReadError as e:
+            raise CheckpointReadError(f"{e} It changed since load_checkpoint read it.{_NOTHING_CHANGED}") from None
+        now = found.get(entry.key)
+        if now is None or now[1] != self.layouts[entry.key]:
+            raise CheckpointReadError(
+                f"{self.describe()} changed since load_checkpoint read it: {entry.key!r} is no longer stored as it "
+                f"was (or another save replaced it). Call load_checkpoint again.{_NOTHING_CHANGED}"
+            )
+        self.identities.update(identities)
 
-    def reader(self, entry, fd: int):
-        """``read(position, buffer)``: the file's bytes at ``position``."""
+    @staticmethod
+    def reader(entry, fd: int):
+        """``read(position, buffer)``: exactly ``len(buffer)`` bytes of the file ``fd``
+        from ``position``, straight into ``buffer``."""
 
         def read(position: int, buffer: memoryview) -> None:
             done = 0
@@ -102,173 +118,178 @@ class CheckpointFile:
                 n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
                 if n <= 0:
                     raise CheckpointReadError(
-                        f"{entry.describe()} ends at byte {position + done} of {len(buffer)} expected "
-                        "(the file is truncated). Nothing was changed; the tensors stay deferred."
+                        f"{entry.describe()} ends at byte {position + done} of {position + len(buffer)} expected "
+                        f"(the file is truncated).{_NOTHING_CHANGED}"
                     )
                 done += n
 
         return read
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
+        """Read the elements ``offset + i . strides`` of ``entry`` into ``dst``; returns the bytes read."""
         fd = open_to_read(self.path, entry)
         try:
             return copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
         finally:
             os.close(fd)
 
-    def check(self, entry=None) -> None:
-        """The file is still the one opened, or says the same about every tensor."""
-        try:
-            st = os.stat(self.path)
-        except OSError as e:
-            what = entry.describe() if entry is not None else self.path
-            raise CheckpointReadError(
-                f"cannot read {what}: {e.strerror or e} (it was there when load_checkpoint read its "
-                "header). Nothing was changed; the tensors stay deferred."
-            ) from None
-        if _identity(st) == self.identity:
-            return
-        identity = self.identity
-        try:
-            entries = self.parse(CheckpointReadError)
-        except CheckpointReadError as e:
-            raise CheckpointReadError(
-                f"{e} It changed since load_checkpoint read it. Nothing was changed; the tensors stay deferred."
-            ) from None
-        for key, old in self.layouts.items():
-            new = entries.get(key)
-            if new is None or self.layout(new) != old:
-                self.identity = identity
-                now = "no such tensor" if new is None else f"{list(new.shape)} {new.dtype}"
-                raise CheckpointReadError(
-                    f"{self.path} changed since load_checkpoint read it: {key!r} was "
-                    f"{list(old[1])} {old[0]}, now {now} (or at another position). "
-                    "Call load_checkpoint again. Nothing was changed; the tensors stay deferred."
-                )
+
+# -- safetensors --------------------------------------------------------------------
+
+# Bits per element of every dtype of the format, and the torch dtype safetensors.torch gives.
+_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+         "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
+         "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+_DTYPES = {name: getattr(torch, attr) for name, attr in {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+    "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F4": "float4_e2m1fn_x2",  # two elements a byte: the last dimension halves
+}.items() if hasattr(torch, attr)}
 
 
-class SafetensorsFile(CheckpointFile):
-    """A ``.safetensors`` file, its header checked as the safetensors library checks it."""
+class SafetensorsFile(Source):
+    """A ``.safetensors`` file: its header read and checked by the safetensors library
+    (``safe_open``), which also checks that the tensors tile the data section in
+    the order of their offsets, so that each one's position follows from the
+    sizes of those before it."""
 
-    kind = "safetensors"
     what = "not a valid safetensors file"
 
-    def _parse(self, f, size: int) -> dict:
-        _, tensors = read_header(f, size)
-        return {
-            key: Entry(self, key, dtype, shape, position, 0, contiguous_strides(shape))
-            for key, dtype, shape, position in tensors
-        }
+    def _parse(self, identities: dict) -> dict:
+        from safetensors import SafetensorError, safe_open
+
+        with open_regular(self.path) as f:
+            before = os.fstat(f.fileno())
+            head = f.read(8)
+            try:
+                with safe_open(self.path, framework="pt") as st:
+                    tensors = [(k, st.get_slice(k)) for k in st.offset_keys()]
+                    tensors = [(k, s.get_dtype(), tuple(s.get_shape())) for k, s in tensors]
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ArchiveError(str(e).strip()) from None
+            if identity(self.path) != (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns):
+                raise ArchiveError("it changed while its header was read")
+        identities[self.path] = identity(self.path)
+        position = 8 + struct.unpack("<Q", head)[0]
+        found = {}
+        for key, name, shape in tensors:
+            nbytes = _BITS.get(name, 0) * math.prod(shape) // 8
+            if name not in _DTYPES:
+                raise ArchiveError(f"{key!r} has dtype {name}, which PyTorch cannot hold")
+            if any(d > _I64 for d in shape):
+                raise ArchiveError(f"{key!r} has shape {list(shape)}, too large for PyTorch")
+            if name == "F4":
+                if not shape or shape[-1] % 2:
+                    raise ArchiveError(f"{key!r} is {list(shape)} F4: PyTorch packs F4 in pairs along an even last dimension")
+                shape = (*shape[:-1], shape[-1] // 2)
+            lay = (_DTYPES[name], shape, position, 0, contiguous_strides(shape))
+            found[key] = (Entry(self, key, *lay), lay)
+            position += nbytes
+        return found
 
 
-class TorchFile(CheckpointFile):
-    """A ``torch.save`` zip archive (the default format since PyTorch 1.6).
+# -- torch.save archives ----------------------------------------------------------------
 
-    Its tensors are what ``torch.load(path, map_location="cpu",
-    weights_only=True)`` gives; nested dicts are flattened with dots
-    (``{"model": {"w": ...}}`` gives ``"model.w"``).
-    """
 
-    kind = "torch"
+class TorchFile(Source):
+    """A ``torch.save`` zip archive: its tensors are what ``torch.load(path,
+    weights_only=True)`` gives (:mod:`.archive`); nested dicts are flattened with
+    dots (``{"model": {"w": ...}}`` gives ``"model.w"``)."""
+
     what = "not a torch.save archive that torch.load(weights_only=True) reads"
 
-    def __init__(self, path: str):
-        super().__init__(path)
-        # key -> (the record's name when it is deflated, else None; bytes swapped together)
-        self.records: dict = {}
-
-    def _parse(self, f, size: int) -> dict:
-        archive = Archive(f, size)
-        swap = archive.check() != sys.byteorder.encode()
-
-        def lookup(name: str, nbytes: int):
-            info = archive.get(name)
-            if info is None:
-                raise ArchiveError(f"its pickle names a storage {name!r} that has no record")
-            if info.file_size != nbytes:
-                raise ArchiveError(
-                    f"record {info.orig_filename!r} has {info.file_size} bytes, its pickle says {nbytes}"
-                )
-            return info, archive.position(info)
-
-        return self._entries(*unpickle(archive.pickle(), lookup), swap)
-
-    def _entries(self, obj, storages: dict, swap: bool) -> dict:
-        """The entries of the tensors in ``obj``, unpickled onto the meta storages
-        ``storages``; ``swap``: the archive is big-endian."""
-        entries, records = {}, {}
-        # Through the class: a pickle can set attributes that shadow a tensor's methods.
-        T = torch.Tensor
-        for key, t in flatten_tensors(obj, PickleError, "its pickle"):
-            dense = type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided and t.is_meta
-            storage = storages.get(T.untyped_storage(t)._cdata) if dense else None
-            if storage is None:
-                raise PickleError(f"{key!r} is not a dense tensor stored in the archive")
-            if T.is_conj(t) or T.is_neg(t):
-                raise PickleError(f"{key!r} is saved as a conjugate or negative view, which load_checkpoint does not read")
-            offset, strides, itemsize = T.storage_offset(t), T.stride(t), t.dtype.itemsize
-            check_geometry(offset, t.shape, strides, itemsize, storage.nbytes, repr(key))
-            unit = storage.swap_unit() if swap else 1
-            if unit > 1 and unit != itemsize and not (t.dtype.is_complex and 2 * unit == itemsize):
-                raise PickleError(f"{key!r} is {t.dtype} over a big-endian {storage.dtype} storage")
-            info, position = storage.info or (None, 0)
-            deflated = None if info is None or info.compress_type == 0 else info.orig_filename
-            entries[key] = Entry(self, key, t.dtype, tuple(t.shape), position, offset, strides)
-            records[key] = (deflated, unit)
-        self.records = records
-        return entries
-
-    def layout(self, e: Entry) -> tuple:
-        return (*super().layout(e), self.records.get(e.key))
+    def _parse(self, identities: dict) -> dict:
+        with open_regular(self.path) as f:
+            st = os.fstat(f.fileno())
+            obj, records = read_archive(f)
+        identities[self.path] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if not isinstance(obj, dict):
+            raise ArchiveError(f"it holds a {type(obj).__name__}, not a dict of tensors (load_state_dict refuses it)")
+        found = {}
+        for key, t in flatten_tensors(obj, ArchiveError, "its pickle"):
+            record, offset, strides = layout(t, records, repr(key))
+            lay = (t.dtype, tuple(t.shape), record.position or 0, offset, strides, record)
+            found[key] = (Entry(self, key, *lay[:5]), lay)
+        return found
 
     def reader(self, entry, fd: int):
-        deflated, unit = self.records[entry.key]
-        read = super().reader(entry, fd)
-        if deflated is not None:
-            read = self._inflated(entry, deflated)
-        if unit == 1:
-            return read
+        return record_reader(self.layouts[entry.key][5], entry, fd, 0, os.fstat(fd).st_size)
 
-        def swapped(position: int, buffer: memoryview) -> None:
-            read(position, buffer)
-            # Reads are of whole elements: reverse each unit's bytes in place.
-            units = numpy.frombuffer(buffer, dtype=numpy.uint8).reshape(-1, unit)
-            units[:] = units[:, ::-1].copy()
 
-        return swapped
-
-    def _inflated(self, entry, name: str):
-        import zipfile
-
+def record_reader(record, entry, fd: int, start: int, length: int):
+    """``read(position, buffer)`` of a record of the archive at ``[start, start +
+    length)`` of the file ``fd``: by position, or inflated whole; big-endian
+    elements swapped."""
+    read = Source.reader(entry, fd)
+    if record.deflated is not None:
         try:
-            with zipfile.ZipFile(self.path) as archive, archive.open(name) as member:
-                data = member.read()
-        except Exception as e:  # noqa: BLE001 - a damaged archive, whatever the exception
-            raise CheckpointReadError(
-                f"cannot read {entry.describe()}: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
-            ) from None
+            data = inflate(Window(fd, start, length), *record.deflated, record.nbytes, record.name)
+        except (ArchiveError, OSError) as e:
+            raise CheckpointReadError(f"cannot read {entry.describe()}: {e}.{_NOTHING_CHANGED}") from None
 
         def read(position: int, buffer: memoryview) -> None:
-            if position + len(buffer) > len(data):
-                raise CheckpointReadError(
-                    f"{entry.describe()}: its record has {len(data)} bytes, {position + len(buffer)} are needed. "
-                    "Nothing was changed; the tensors stay deferred."
-                )
             buffer[:] = data[position : position + len(buffer)]
 
+    if record.unit == 1:
         return read
 
+    def swapped(position: int, buffer: memoryview) -> None:
+        read(position, buffer)
+        # Reads are of whole elements: reverse each unit's bytes in place.
+        units = numpy.frombuffer(buffer, dtype=numpy.uint8).reshape(-1, record.unit)
+        units[:] = units[:, ::-1].copy()
 
-class LegacyTorchFile(TorchFile):
-    """A legacy ``torch.save`` file (``_use_new_zipfile_serialization=False``),
-    read by position like an archive (:mod:`.torch_legacy`), never by ``torch.load``."""
+    return swapped
 
-    # Tried last, when the file is neither a zip archive nor a safetensors file.
-    what = "neither a safetensors file nor a torch.save file that torch.load(weights_only=True) reads"
 
-    def _parse(self, f, size: int) -> dict:
-        return self._entries(*parse_legacy(f, size), False)
+class Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a read-only, seekable file.
 
+    The last small read is kept: PyTorch's reader reads an archive's last 4 KiB
+    to find its end record, then that record and the zip directory again, and
+    :mod:`zipfile` reads them once more.
+    """
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._length, self._pos = fd, start, length, 0
+        self._kept = (0, b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._length}[whence]
+        if base + pos < 0:
+            raise OSError("seek before the start of the window")
+        self._pos = base + pos
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self._length - self._pos))
+        if n == 0:
+            return 0
+        at, kept = self._kept
+        if at <= self._pos and self._pos + n <= at + len(kept):
+            memoryview(buffer)[:n] = kept[self._pos - at : self._pos - at + n]
+            got = n
+        else:
+            got = os.preadv(self._fd, [memoryview(buffer)[:n]], self._start + self._pos)
+            if 1024 <= got <= 1 << 16:
+                self._kept = (self._pos, bytes(memoryview(buffer)[:got]))
+        self._pos += got
+        return got
+
+
+# -- opening files ---------------------------------------------------------------------
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -283,9 +304,7 @@ def open_to_read(path: str, entry) -> int:
             os.close(fd)
             raise OSError(0, "it is no longer a regular file")
     except OSError as e:
-        raise CheckpointReadError(
-            f"cannot read {entry.describe()}: {e.strerror or e}. Nothing was changed; the tensors stay deferred."
-        ) from None
+        raise CheckpointReadError(f"cannot read {entry.describe()}: {e.strerror or e}.{_NOTHING_CHANGED}") from None
     if hasattr(os, "posix_fadvise"):
         # Exactly the bytes asked for: no readahead into a shard another rank reads.
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)

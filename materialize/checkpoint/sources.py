@@ -3,8 +3,9 @@
 * a state dict (a mapping of names to tensors; nested dicts are flattened
   with dots; values that are not tensors are ignored);
 * a ``.safetensors`` file;
-* a ``torch.save`` file (what ``torch.load(weights_only=True)`` reads; a
-  zip archive or a legacy file, read by position like safetensors);
+* a ``torch.save`` file (what ``torch.load(weights_only=True)`` reads, in
+  the zip format of PyTorch 1.6 and later; the legacy format is refused:
+  re-save it);
 * a directory written by ``torch.distributed.checkpoint.save`` (a
   ``.metadata`` file and ``.distcp`` files; see :mod:`.dcp`);
 * another directory: transformers' ``model.safetensors.index.json`` (or
@@ -30,11 +31,13 @@ from deferinit.fake import is_fake
 
 from .dcp import is_dcp_directory, open_dcp
 from .entries import Entry, MemorySource
-from .files import LegacyTorchFile, SafetensorsFile, TorchFile, is_torch_zip
+from .files import SafetensorsFile, TorchFile, is_torch_zip, open_regular
 from .index import inside, read_index
 from .nested import flatten_tensors
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# How a legacy torch.save file begins: its magic number, pickled (protocol 2).
+_LEGACY = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19."
 
 
 class DeferredValue:
@@ -76,18 +79,35 @@ def open_source(source) -> tuple[dict, str]:
 
 def open_file(path: str) -> dict:
     """``key -> Entry`` of the file at ``path``: a safetensors file, or a
-    ``torch.save`` file (a zip archive, or the legacy format); headers only."""
+    ``torch.save`` zip archive; headers only."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if path.endswith(".distcp") or os.path.basename(path) == ".metadata" or is_dcp_directory(folder):
+        raise CheckpointError(
+            f"{os.path.abspath(path)} is a file of the distributed checkpoint {folder}, which holds its tensors "
+            "in pieces that its .metadata file describes: pass its directory."
+        )
     if path.endswith(".safetensors"):
-        return SafetensorsFile.open(path)
+        return SafetensorsFile(path).open()
     if is_torch_zip(path):
-        return TorchFile.open(path)
+        return TorchFile(path).open()
     try:
-        return SafetensorsFile.open(path)
+        return SafetensorsFile(path).open()
     except CheckpointNotFoundError:
         raise
-    except CheckpointError:
-        pass
-    return LegacyTorchFile.open(path)
+    except CheckpointError as e:
+        reason = str(e).replace(f"{os.path.abspath(path)} is not a valid safetensors file: ", "")
+    with open_regular(path) as f:
+        legacy = f.read(len(_LEGACY)) == _LEGACY
+    if legacy:
+        raise CheckpointError(
+            f"{os.path.abspath(path)} is a legacy torch.save file (_use_new_zipfile_serialization=False, the "
+            "format before PyTorch 1.6), which load_checkpoint does not read: re-save it with torch.save "
+            "(torch.save(torch.load(path, weights_only=True), path))."
+        )
+    raise CheckpointError(
+        f"{os.path.abspath(path)} is neither a torch.save archive (it does not begin as a zip archive does) "
+        f"nor a safetensors file: {reason}"
+    )
 
 
 def _state_dict(sd: Mapping) -> dict:

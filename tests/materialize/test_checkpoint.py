@@ -107,9 +107,6 @@ def save_as(fmt: str, sd: dict, folder: str):
     if fmt == "torch":
         torch.save({"model": sd, "step": 7}, path + ".pt")
         return path + ".pt", {"model." + k: v for k, v in sd.items()}
-    if fmt == "torch_legacy":
-        torch.save(sd, path + ".pt", _use_new_zipfile_serialization=False)
-        return path + ".pt", sd
     if fmt in ("dir_index", "dir_glob"):
         os.makedirs(path)
         keys = list(sd)
@@ -128,7 +125,7 @@ def save_as(fmt: str, sd: dict, folder: str):
     raise ValueError(fmt)
 
 
-FORMATS = ["state_dict", "safetensors", "safetensors_bf16", "torch", "torch_legacy", "dir_index", "dir_glob"]
+FORMATS = ["state_dict", "safetensors", "safetensors_bf16", "torch", "dir_index", "dir_glob"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

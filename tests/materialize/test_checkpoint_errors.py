@@ -79,14 +79,14 @@ def test_corrupt_safetensors_header(tmp_path, content):
 def test_not_a_checkpoint(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello")
-    with pytest.raises(CheckpointError, match="neither a safetensors file nor a torch.save file"):
+    with pytest.raises(CheckpointError, match="is neither a torch.save archive .* nor a safetensors file: .*header too small"):
         load_checkpoint(deferred_init(build), path)
 
 
 def test_truncated_file_is_refused_at_call_time(ckpt):
     path, _ = ckpt
     os.truncate(path, os.path.getsize(path) - 100)
-    with pytest.raises(CheckpointError, match=r"is not a valid safetensors file: it is truncated: its tensors end at byte \d+, the file has"):
+    with pytest.raises(CheckpointError, match=r"is not a valid safetensors file: .*incomplete metadata, file not fully covered"):
         load_checkpoint(deferred_init(build), path)
 
 
@@ -152,13 +152,13 @@ def test_damaged_file_leaves_every_tensor_deferred_and_the_fix_works(ckpt, damag
     m = _deferred_loaded(path)
     if damage == "truncate":
         os.truncate(path, os.path.getsize(path) // 2)
-        expected = r"it is truncated: its tensors end at byte"
+        expected = r"file not fully covered"
     elif damage == "delete":
         os.remove(path)
         expected = "No such file or directory"
     else:
         save_file({k: v.reshape(-1) for k, v in sd.items()}, path)
-        expected = "changed since load_checkpoint read it: '0.weight' was \\[16, 8\\]"
+        expected = "changed since load_checkpoint read it: '0.weight' is no longer stored as it was"
     state = torch.get_rng_state()
     with pytest.raises(CheckpointReadError, match=expected) as info:
         materialize_module(m)
