@@ -51,8 +51,8 @@ from __future__ import annotations
 import torch
 
 from .effects import (
-    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, is_load, is_view,
-    load_parts, overwrites, root_value,
+    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, drawn_part, is_load,
+    is_view, load_parts, overwrites, root_value,
 )
 from .graph import Input, version_seq
 from .regions import Region
@@ -78,10 +78,11 @@ class Liveness:
     serves later reads of its other views.
     """
 
-    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure):
-        # The plan's real_read and closure (passed in: the plan imports this module).
+    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, draws_before):
+        # The plan's real_read, closure and draws_before (passed in: the plan imports this module).
         self._real_read = real_read
         self._full_closure = closure
+        self._draws_before = draws_before
         self.targets = targets
         self.universe = universe
         self.streams = streams
@@ -127,6 +128,7 @@ class Liveness:
         scratches: dict = {}
         loads: dict = {}
         directs: dict = {}
+        parts: dict = {}
         live: dict = {}
         objects: dict = {}  # id(node) -> {index: value}: tensors whose object is needed
         pending: dict = {}  # storage key -> [(region, floor seq)]
@@ -262,9 +264,13 @@ class Liveness:
                     if node.kind == "load":
                         loads[nid] = load_parts(node, w.value, region, found)
                     elif mode == DIRECT:
-                        parts = direct_parts(w.value, region, found)
-                        if parts is not None:
-                            directs[nid] = (*directs[nid], parts)
+                        found_parts = direct_parts(w.value, region, found)
+                        if found_parts is not None:
+                            directs[nid] = (*directs[nid], found_parts)
+                    elif node.rng is not None and nid not in forced:
+                        part = drawn_part(w.value, region, found)
+                        if part is not None:
+                            parts[nid] = part
                     kill(k, region, seq)
                 else:
                     demand(w)
@@ -296,25 +302,22 @@ class Liveness:
 
         return {
             "live": live, "modes": modes, "alloc": allocs, "scratch": scratches, "loads": loads,
-            "direct": directs, "order": sorted(live.values(), key=lambda n: n.seq),
+            "direct": directs, "parts": parts, "order": sorted(live.values(), key=lambda n: n.seq),
         }
 
     # -- random draws needed only for the generator -----------------------------
 
     def _draws_needed(self) -> set:
         """Draws whose state a drawing node needs and that the scan left out."""
+        drawing = [
+            node for node in self.order
+            if node.rng is not None and self.modes.get(id(node)) != ALLOC and node.rng[0]() is not None
+        ]
         new = set()
-        for node in self.order:
-            if node.rng is None or self.modes.get(id(node)) == ALLOC:
-                continue
-            stream = node.rng[0]()
-            rs = self.streams.get(id(stream)) if stream is not None else None
-            if rs is None:
-                continue
-            for earlier in rs.needs(rs.index[id(node)]):
-                nid = id(earlier)
-                if nid not in self.live or self.modes.get(nid) == ALLOC:
-                    new.add(nid)
+        for earlier in self._draws_before(drawing, self.streams):
+            nid = id(earlier)
+            if nid not in self.live or self.modes.get(nid) == ALLOC:
+                new.add(nid)
         return new
 
     # -- modes ------------------------------------------------------------------
