@@ -167,6 +167,8 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
         if shown is not None:
             replay.progress = shown.replay_callback(replay, fakes)
         reals = with_fresh_graphs(replay.run(), fresh, len(reads))
+        if shown is not None:
+            shown.draws_done(replay.draw_stats)
         records = records_of(fakes)
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]

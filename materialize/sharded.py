@@ -136,6 +136,8 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
             if shown is not None:
                 replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
             reals = replay.run()
+            if shown is not None:
+                shown.draws_done(replay.draw_stats)
             for rs in replay.replay_streams:
                 earlier = streams.get(id(rs.post))
                 if earlier is not None:
