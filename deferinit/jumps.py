@@ -38,15 +38,17 @@ from deferinit.fake.bypass import no_python_dispatch
 import threading
 
 from .consumption import Consumption, _normal, _random_full, _random_range, _two_words, _uniform, consumption
-from .mt19937 import advance, normal_cache, without_normal_cache
+from .mt19937 import advance, jump_is_cheap, normal_cache, without_normal_cache
 from .rng import get_state, set_state
 
 # Debts of this many words and more, up to DRAW_BELOW, are drawn (below,
-# the words are computed without a kernel; above, jumped: about the time
-# of one jump whose polynomial is not cached yet); into 1M words of scratch
-# at a time.
+# the words are computed without a kernel; above, jumped: drawing costs ~3
+# ns a word, a jump ~50 ms, or ~3 ms when its polynomial is cached, as for
+# the repeated gaps between a sharded rank's rows); into 1M words of
+# scratch at a time.
 EXTEND_BELOW = 1 << 16
 DRAW_BELOW = 1 << 22
+DRAW_BELOW_CACHED = 1 << 20
 _CHUNK = 1 << 20
 
 
@@ -100,7 +102,7 @@ class Cursor:
             state = without_normal_cache(state)
             set_state(self.generator, state)
         owed, self.owed, self.drop_normal = self.owed, 0, False
-        if EXTEND_BELOW <= owed < DRAW_BELOW:
+        if EXTEND_BELOW <= owed < (DRAW_BELOW_CACHED if jump_is_cheap(state, owed) else DRAW_BELOW):
             self.drawn += owed
             _draw_words(self.generator, owed)
             return get_state(self.generator)
