@@ -54,6 +54,8 @@ from .effects import (
     ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, drawn_part, is_load,
     is_view, load_parts, overwrites, root_value,
 )
+from deferinit.fake.opinfo import op_info
+
 from .graph import Input, version_seq
 from .regions import Region
 
@@ -65,6 +67,15 @@ GENERATOR = "generator"  # only for the state it leaves the generator in
 DIRECT = "direct"  # a copy_ that reads a checkpoint straight into its destination
 
 _HUGE = 1 << 62
+
+_VIEW_OPS: dict = {}  # id(op) -> whether it makes a view (OpOverload's hash is Python code)
+
+
+def _is_view_op(op) -> bool:
+    found = _VIEW_OPS.get(id(op))
+    if found is None:
+        found = _VIEW_OPS[id(op)] = op_info(op).view_arg is not None
+    return found
 
 
 class Liveness:
@@ -134,6 +145,13 @@ class Liveness:
         pending: dict = {}  # storage key -> [(region, floor seq)]
         forced: dict = {}  # id(node) -> node: whole history of unanalysed reads
         keys: dict = {}
+        regions: dict = {}
+
+        def region_of(value):
+            r = regions.get(id(value), False)
+            if r is False:
+                r = regions[id(value)] = Region.of(value)
+            return r
 
         def key_of(value):
             k = keys.get(id(value))
@@ -162,7 +180,7 @@ class Liveness:
                 need(inp)
                 floor = -1
             if region is None:
-                region = Region.of(value)
+                region = region_of(value)
                 if region is None:
                     return
             k = key_of(value)
@@ -173,7 +191,7 @@ class Liveness:
 
         def demanded(value, seq):
             """The demands on ``value``'s storage, at ``seq``, that its bytes meet."""
-            region = Region.of(value)
+            region = region_of(value)
             k = key_of(value)
             if region is None or k is None:
                 return region, k, []
@@ -196,7 +214,7 @@ class Liveness:
             region = None
             if not real_read(inp):
                 root = root_value(inp.value)
-                region = Region.of(root) if root is not None else Region.interval(0, _HUGE)
+                region = region_of(root) if root is not None else Region.interval(0, _HUGE)
                 if region is not None and root is not None and root.offset != 0:
                     region = Region.interval(0, _HUGE)
             demand(inp, region)
@@ -205,7 +223,7 @@ class Liveness:
             nid = id(node)
             outs = objects.get(nid)
             seq = node.seq
-            if is_view(node):
+            if node.kind == "op" and not node.writes and _is_view_op(node.target):
                 if outs or nid in forced:
                     live[nid] = node
                     for x in node.flat:
