@@ -208,7 +208,9 @@ def drawn_part(value, region, found):
     demands ``found`` meet (the hull of their bytes), or None when that is all
     of it (a shard's rows of a parameter drawn whole eagerly: the replay
     draws only those where the kernel allows, see :mod:`deferinit.jumps`)."""
-    if not found or not region.dense or not contiguous(value.size, value.stride):
+    if not found or not region.dense or any(r.covers(region) for r, _ in found):
+        return None
+    if not contiguous(value.size, value.stride):
         return None
     lo = max(region.lo, min(r.lo for r, _ in found))
     hi = min(region.hi, max(r.hi for r, _ in found))
