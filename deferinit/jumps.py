@@ -102,7 +102,7 @@ class Cursor:
             state = without_normal_cache(state)
             set_state(self.generator, state)
         owed, self.owed, self.drop_normal = self.owed, 0, False
-        if EXTEND_BELOW <= owed < (DRAW_BELOW_CACHED if jump_is_cheap(state, owed) else DRAW_BELOW):
+        if EXTEND_BELOW <= owed < (DRAW_BELOW_CACHED if jump_is_cheap(state, owed) else DRAW_BELOW) and verified("random"):
             self.drawn += owed
             _draw_words(self.generator, owed)
             return get_state(self.generator)
@@ -113,7 +113,8 @@ class Cursor:
 
 
 def _draw_words(gen: torch.Generator, words: int) -> None:
-    """Draw ``words`` words from ``gen`` into scratch (int32 random_: one word each)."""
+    """Draw ``words`` words from ``gen`` into scratch (int32 ``random_()``: one word
+    each, as the "random" family's check confirms before this is used)."""
     if not words:
         return
     with no_python_dispatch():
@@ -181,7 +182,10 @@ def draw_part(cursor: Cursor, c: Consumption, flat: torch.Tensor, lo: int, hi: i
 FAMILIES = ("uniform", "normal", "log_normal", "random", "randperm", "bernoulli", "exponential", "geometric", "cauchy")
 
 _verified: dict = {}
-_verify_lock = threading.Lock()
+# Reentrant: a family's check settles debts, and settling draws long ones with
+# int32 random_ only once the "random" family is verified, which may be
+# checked from inside another family's check (a plain Lock deadlocked there).
+_verify_lock = threading.RLock()
 
 
 def verified(family: str) -> bool:
@@ -200,7 +204,16 @@ def verified(family: str) -> bool:
         with _verify_lock:
             found = _verified.get(family)
             if found is None:
-                found = _verified[family] = check_family(family)
+                # Until its own check ends, a family counts as unverified
+                # (so a check reaching back to it jumps rather than recursing).
+                _verified[family] = False
+                # (Another thread reading it meanwhile generates: still exact.)
+                try:
+                    found = check_family(family)
+                except BaseException:
+                    del _verified[family]  # interrupted: checked again next time
+                    raise
+                _verified[family] = found
     return found
 
 
