@@ -24,6 +24,7 @@ DOCS = os.path.join(os.path.dirname(HERE), "docs", "benchmarks.md")
 BENCHMARKS = [
     ("Deferring a 70B model", "defer_70b", "Construction time and memory of a Llama-3-70B-shaped model: meta device, deferred_init, FakeTensorMode."),
     ("Materializing against eager construction", "materialize_speed", "Time and peak RSS of deferred_init + materialize_module against eager construction, each in a fresh process."),
+    ("A part costs its part", "parts", "One decoder layer of a deferred Llama-3-8B and of the 70B demo Llama, 50,000 small parameters, a DeepSeek-V3-shaped mixture of experts: materialization against eager construction of the piece, each in a fresh process."),
     ("Loading a checkpoint", "checkpoint", "A safetensors checkpoint into the 185M GPT and a transformers Llama: eager, meta + to_empty, accelerate, deferred_init + load_checkpoint (and from_pretrained); then 2 FSDP2 ranks, each reading its own rows; then the GPT as a distributed checkpoint (dcp.save on 2 ranks), loaded the torchtitan way (meta + to_empty + init + dcp.load) and with load_checkpoint, on 1 and 2 ranks."),
     ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
     ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),

@@ -4,8 +4,9 @@ In the spirit of ``torch.fx.Interpreter``: one loop over the planned nodes
 in recorded order (:class:`deferinit.plan.Plan` chose them), one
 ``_run_node`` where values are computed, each value freed at its last use.
 Random nodes draw from the state their generator had eagerly, on private
-generators (:mod:`deferinit.materialize.draws`); every state passed is cached on the
-record, so any order of requests costs at most one extra pass.
+generators (:mod:`deferinit.materialize.draws`; draws needed only for that
+state are jumped over on CPU); the states later replays look up are cached
+on the record, so any order of requests costs at most one extra pass.
 
 Everything runs below autograd (``no_grad``, or ``inference_mode`` on request),
 except, when ``autograd=`` is given, the calls autograd recorded eagerly:
