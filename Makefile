@@ -4,12 +4,23 @@
 #   make test   runs the test suite
 # Each creates .venv if missing and installs torch (pinned, CPU build) before
 # anything that depends on it.
+#
+# Another torch: `make test TORCH=2.14.1` builds .venv-torch2.14.1 with that
+# release (a CUDA build from PyPI, which runs here without a GPU) and runs the
+# suite on it. A release above the cap of a local pip configuration (these
+# machines cap torch at 2.14.1) needs the cap lifted for that one command:
+# `PIP_CONFIG_FILE=/dev/null make test TORCH=2.15.0`. docs/testing.md records
+# the result of each version; .ci/run tests 2.13.0 and 2.14.1.
 
 PYTHON ?= python3
-VENV ?= .venv
+TORCH ?= 2.13.0
+DEFAULT_TORCH := 2.13.0
+VENV ?= $(if $(filter $(DEFAULT_TORCH),$(TORCH)),.venv,.venv-torch$(TORCH))
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-TORCH_PIN := torch==2.13.0
+TORCH_PIN := torch==$(TORCH)
+# pytest arguments: `make test PYTEST_ARGS='-m cuda_build'` runs a marked part.
+PYTEST_ARGS ?=
 
 .PHONY: demo test test-fast bench gpu-check clean
 
@@ -33,9 +44,11 @@ $(VENV)/.test: pyproject.toml $(VENV)/.torch
 # its model code needs only these, installed without dependencies so that
 # the pinned CPU torch stays. Optional: its tests skip with a reason if
 # this step fails (an offline mirror without these wheels).
-TITAN_PINS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser typeguard triton==3.9.0
+# (triton only where the torch build brings none: the CUDA builds pin their own.)
+TITAN_PINS := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser typeguard
 $(VENV)/.titan: | $(VENV)/.torch
 	$(PIP) install --quiet --disable-pip-version-check --no-deps $(TITAN_PINS) \
+		$$($(PY) -c "import importlib.util as u; print('' if u.find_spec('triton') else 'triton==3.9.0')") \
 		|| echo "warning: torchtitan not installed; its tests will skip"
 	touch $@
 
@@ -43,7 +56,7 @@ demo: $(VENV)/.base
 	$(PY) -m deferinit demo
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Everything but the slow real-model and multi-process tests.
 test-fast: $(VENV)/.test
@@ -79,4 +92,4 @@ $(GPU_VENV)/.ready: pyproject.toml
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache
+	rm -rf .venv .venv-torch* $(GPU_VENV) *.egg-info .pytest_cache

@@ -1,12 +1,13 @@
 """What the toolkit's patches of ``torch`` cost code that is not deferred.
 
 Two kinds of patches: ``torch.Tensor.data`` and ``set_`` (fake/assign.py),
-installed when the first fake of the process is made, and the random
+installed while any fake is alive (fake/alive.py), and the random
 functions and methods diverted while a deferral may still warn that its
 draws are pending (deferinit/pending.py).  (``_make_subclass`` is diverted
 only inside a fake mode: not measured here.)
 Each column is its own fresh process: PyTorch alone; the packages imported
-and no fake made; after a fake was made (``fake_mode``); while a deferred model's draws are
+and no fake made; while a fake is alive (``fake_mode``); after the last fake
+was collected (PyTorch's own functions again); while a deferred model's draws are
 pending (the random calls use a generator of their own, so the deferral
 keeps watching); after that deferral warned once (it stops watching).
 Figures are nanoseconds per call (best of 5) and the ratio to PyTorch alone.
@@ -27,7 +28,7 @@ sys.path.insert(0, HERE)
 
 from _common import machine, run_child, table  # noqa: E402
 
-STATES = ["torch alone", "imported, no fake", "a fake made", "draws pending", "after the warning"]
+STATES = ["torch alone", "imported, no fake", "a fake made", "last fake gone", "draws pending", "after the warning"]
 
 CALLS = {
     "t.data": "a.data",
@@ -53,11 +54,13 @@ def child(state: str) -> None:
     if state != "torch alone":
         import deferinit  # noqa: F401
         import deferinit.materialize  # noqa: F401
-    if state == "a fake made":
+    if state in ("a fake made", "last fake gone"):
         from deferinit.fake import fake_mode
 
         with fake_mode():
             keep.append(torch.ones(2))
+        if state == "last fake gone":
+            keep.clear()
     if state in ("draws pending", "after the warning"):
         from deferinit import deferred
 

@@ -29,6 +29,7 @@ BENCHMARKS = [
     ("Sharding on paper", "sharding", "A 70B model sharded over 8 and 64 ranks, deferred: per-rank bytes, largest transient, time to materialize one rank's shards of a smaller model."),
     ("Drawing a record", "render_graph", "to_dot on the 70B record and rendering to SVG."),
     ("Planning a training step", "planning", "One training step of the 70B Llama (bf16, batch 1x4096) on fake devices under PyTorch's FSDPMemTracker and FlopCounterMode, sharded over 8 fake ranks: deferinit against PyTorch's FakeTensorMode where it can run; and the recipe of docs/planning.md (fp32 master weights, bf16 FSDP2 compute, activation checkpointing)."),
+    ("Two threads materializing", "threads", "Two unrelated models materialized one after the other, from two threads (the lock of deferinit/exclusive.py makes them take turns), from two threads without the lock, and one model from two threads at once."),
     ("What the patches cost code that is not deferred", "patch_overhead", "Nanoseconds per call of .data, .data =, set_, nn.Parameter and random calls, each column in a fresh process: PyTorch alone, the packages imported, after a fake was made, while a deferral's draws are pending (random calls with a generator of their own), after that deferral warned."),
 ]
 

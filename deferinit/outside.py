@@ -87,18 +87,56 @@ def _compiled_from(module):
     return inner if isinstance(inner, Module) else module
 
 
-def _warning(module) -> str:
-    cls = type(module).__name__
+def _fsdp1_fix(module) -> str | None:
+    """For FSDP1 (``FullyShardedDataParallel``) wrapping a deferred module: why it did
+    not materialize it and the fix; None for any other module."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     fsdp1 = getattr(fsdp, "FullyShardedDataParallel", None)
-    if fsdp1 is not None and isinstance(module, fsdp1):
+    if fsdp1 is None or not isinstance(module, fsdp1):
+        return None
+    return (
+        "FSDP1 recognises deferred modules only inside deferinit.materialize.distributed.fsdp1_hooks(), "
+        f"and did not materialize it. Build the model again (deferred_init), then: {FSDP1_FIX}"
+    )
+
+
+def plain_data(new, fake) -> str:
+    """The message for ``fake.data = new`` outside ``deferred_init``, ``new`` a fake
+    of unknown values: where such a fake comes from, and what to do."""
+    module, optimizer, backward = training()
+    module = _compiled_from(module)
+    head = f"tensor.data = {describe(new)} on a deferred tensor {describe(fake)}: the new data "
+    tail = "so its values are unknown and the deferred tensor would lose its recipe."
+    if in_fake_mode():
+        return (f"{head}was computed inside fake_mode, which does not record, {tail} Do this outside fake_mode "
+                "(it is then recorded), create the new data inside deferred_init, or assign a real tensor.")
+    if module is None and optimizer is None and not backward:
+        return (f"{head}is a fake made by fake_mode (or computed from one), {tail} Assign a real tensor, or "
+                "create the new data inside deferred_init.")
+    fix = (_fsdp1_fix(module) if module is not None else None) or "Materialize the model first: materialize_module(model)."
+    during = _during(module, optimizer, backward)
+    return f"{head}was computed {during} (such a run computes on fakes and is not recorded), {tail} {fix}"
+
+
+def _during(module, optimizer, backward) -> str:
+    if module is not None:
+        return f"during a forward pass of {type(module).__name__}, which is still deferred"
+    if optimizer is not None:
+        return f"during a step of {type(optimizer).__name__} on parameters that are still deferred"
+    if backward:
+        return "during a backward pass through a model that is still deferred"
+    return "with values computed on fakes (by a forward pass of a model that is still deferred)"
+
+
+def _warning(module) -> str:
+    cls = type(module).__name__
+    fsdp1 = _fsdp1_fix(module)
+    if fsdp1 is not None:
         # One rank (NO_SHARD): FSDP1 never reads the flat parameter's memory, so
         # the missing fsdp1_hooks() shows only here.
         return (
             f"{cls} (FSDP1) wraps a module that is still deferred, so this forward pass computes on fake "
-            "tensors: FSDP1 recognises deferred modules only inside deferinit.materialize.distributed.fsdp1_hooks(), "
-            f"and did not materialize it. Build the model again (deferred_init), then: {FSDP1_FIX} "
-            "Shown once per module."
+            f"tensors: {fsdp1} Shown once per module."
         )
     return (
         f"{cls} is still deferred: its parameters and buffers have no values yet, so this "
@@ -111,14 +149,7 @@ def _warning(module) -> str:
 def _write_message(func, tensor, module, optimizer, backward) -> str:
     name = tensor_name(module, tensor) if module is not None else None
     what = f"the deferred tensor {name} {describe(tensor)}" if name else f"a deferred tensor {describe(tensor)}"
-    if module is not None:
-        during = f"during a forward pass of {type(module).__name__}, which is still deferred"
-    elif optimizer is not None:
-        during = f"during a step of {type(optimizer).__name__} on parameters that are still deferred"
-    elif backward:
-        during = "during a backward pass through a model that is still deferred"
-    else:
-        during = "with values computed on fakes (by a forward pass of a model that is still deferred)"
+    during = _during(module, optimizer, backward)
     return (
         f"{func} writes {what} {during}. Such a computation runs on fakes and is not "
         "recorded, so this write could neither be recorded faithfully nor dropped without "

@@ -17,7 +17,7 @@ import functools
 
 import torch.nn.init as _init
 
-from deferinit.fake.patch import SharedPatch
+from deferinit.fake.patch import SharedPatch, shared_patch  # noqa: F401 (SharedPatch: re-exported)
 
 from .recorder import RECORDER, is_deferred_fake
 
@@ -50,9 +50,10 @@ def _diversions(module) -> dict:
 
 
 #: The trunc_normal_ diversion, held while any thread records.
-TRUNC_NORMAL = SharedPatch(lambda: _init, _diversions)
+TRUNC_NORMAL = shared_patch("trunc normal", "torch.nn.init", lambda: _init, _diversions)
 
 
 def installed():
-    """Install the diversions for the duration of the block (nesting and threads safe)."""
+    """Install the diversions for the duration of the block (nesting and threads safe;
+    a recording holds them under its entry instead, see deferinit.session)."""
     return TRUNC_NORMAL.held()

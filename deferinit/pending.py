@@ -36,7 +36,7 @@ import weakref
 import torch
 
 from deferinit.fake.compiling import not_inlined
-from deferinit.fake.patch import SharedPatch
+from deferinit.fake.patch import shared_patch
 from deferinit.fake.state import in_fake_mode
 from deferinit.fake.tensor import FakeTensor
 
@@ -58,24 +58,19 @@ class _Hold:
     closed, the devices whose draws may still be pending, the draws found
     pending and not finished yet (``busy``: the record is not retired under
     them, so that their warning is not lost to another thread that sees the
-    generator they moved), and whether it still holds the patches (released
-    once: when it can no longer warn, or when it dies)."""
+    generator they moved).  It holds the patches under its own name: released
+    when it can no longer warn, or when it dies (idempotent)."""
 
-    __slots__ = ("epoch", "devices", "busy", "held")
+    __slots__ = ("epoch", "devices", "busy", "__weakref__")
 
     def __init__(self, epoch, devices):
         self.epoch = epoch
         self.devices = devices
         self.busy = 0
-        self.held = True
 
     def release(self) -> None:
-        with _lock:
-            if not self.held:
-                return
-            self.held = False
         for patch in reversed(PATCHES):
-            patch.release()
+            patch.release(self)
 
 
 def watch(record) -> None:
@@ -99,9 +94,9 @@ def watch(record) -> None:
         if record in _watched:
             return
         # Held before any thread can find (and retire) the record: the count pairs.
-        for patch in PATCHES:
-            patch.acquire()
         hold = _watched[record] = _Hold(_epoch(), devices)
+        for patch in PATCHES:
+            patch.acquire(hold)
     weakref.finalize(record, hold.release)
 
 
@@ -309,6 +304,6 @@ def _replacements(which: str, prefix: str):
 
 
 PATCHES = (
-    SharedPatch(lambda: torch, _replacements("functions", "torch.")),
-    SharedPatch(lambda: torch.Tensor, _replacements("methods", "Tensor.")),
+    shared_patch("pending draws", "torch", lambda: torch, _replacements("functions", "torch.")),
+    shared_patch("pending draws", "torch.Tensor", lambda: torch.Tensor, _replacements("methods", "Tensor.")),
 )

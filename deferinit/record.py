@@ -23,6 +23,8 @@ import weakref
 
 import torch
 
+from deferinit.fake.guard import register
+
 from .graph import event_seq, peek_seq
 from .rng import (
     CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_seed, fingerprint, generator_of,
@@ -37,7 +39,7 @@ class Record:
 
     __slots__ = (
         "id", "label", "base", "streams", "entry", "entry_seed", "exit", "parents", "open", "markers",
-        "seeds", "__weakref__",
+        "seeds", "lineage", "closed", "__weakref__",
     )
 
     def __init__(self, label: str = ""):
@@ -61,6 +63,10 @@ class Record:
         self.markers: dict = {}
         # manual_seed calls for every generator of a kind: (seq, device type or None, seed).
         self.seeds: list = []
+        # Default generator key -> the LINEAGE node naming its eager state
+        # right after this record's construction (set on close).
+        self.lineage: dict = {}
+        self.closed = False  # close() ran to its end
 
     # -- streams ------------------------------------------------------------------
 
@@ -171,8 +177,10 @@ class Record:
     def _mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
         self._check_mark(stream, index, gen)
         tag = new_tag()
-        torch._C.Generator.manual_seed(gen, tag)
+        # Known before the generator carries it: an interrupt in between leaves
+        # a tag close() still recognises and gives back.
         self.markers[tag] = (stream, index)
+        torch._C.Generator.manual_seed(gen, tag)
 
     def _check_mark(self, stream: Stream, index: int, gen: torch.Generator) -> None:
         """What user code did to explicit generator ``gen`` since draw ``index - 1``
@@ -188,7 +196,13 @@ class Record:
             stream.base = state
 
     def close(self) -> None:
-        """Recording stopped: unmark the explicit generators, remember the real states."""
+        """Recording stopped: unmark the explicit generators, remember the real states.
+
+        Idempotent, and safe to run again after an interrupt stopped it: an
+        explicit generator given back its state is unmarked first and then
+        forgotten, so a second run finds it as user code left it."""
+        if self.closed:
+            return
         self.open = False
         for key, stream in self.streams.items():
             gen = stream.generator
@@ -198,6 +212,7 @@ class Record:
             end = len(stream.nodes)
             if mark is not None and mark[0] is stream:
                 set_state(gen, stream.base)
+                stream.base = None  # given back (a second close leaves it alone)
                 if mark[1] != end - 1:
                     stream.event(end, SAME, mark[1])  # an older state put back after the last draw
             else:
@@ -213,9 +228,14 @@ class Record:
                 gen = generator_of(key)
                 if gen is not None:
                     self.exit[key] = get_state(gen)
+        for key in {CPU, *(k for k, s in self.streams.items() if type(k) is not GeneratorKey and s.nodes)}:
+            # Eagerly the generator has moved by this record's draws: a new name
+            # for its state, whose parent is the state before them.
+            self.lineage[key] = LINEAGE.advance(key)
         for key, stream in self.streams.items():
             if type(key) is not GeneratorKey and stream.nodes:
                 CHAINS.register(self, key, self.exit.get(key))
+        self.closed = True
 
     def _settle(self, key) -> None:
         """Put the default generator of ``key`` in the last state user code set while
@@ -232,6 +252,10 @@ class Record:
                     latest = event
         if latest is None:
             return
+        # User code in the constructor seeded or set the generator: eagerly that
+        # wipes out the draws of earlier deferrals still pending, even when the
+        # state it sets is the one the generator holds.
+        LINEAGE.reseed(keys=(key,))
         state = latest[2] if latest[1] == SET else seeded_state(key, latest[2])
         if fingerprint(get_state(gen)) != fingerprint(state):
             FOREIGN.set_state(gen, state)
@@ -250,8 +274,11 @@ class Chains:
     one recorded continues its stream, as eager construction would.
 
     A record continues another when the generator's real state is still the
-    one that record left and no seed or state was set through torch's API
-    since (``bump``); only while the earlier record is alive.
+    one that record left and its eager state still follows from that
+    record's (:class:`Lineage`: no seed or state was set through torch's API
+    since, unless it put back a state read since); only while the earlier
+    record is alive.  ``bump`` counts every seed or state set, for
+    :mod:`deferinit.pending`.
     """
 
     def __init__(self):
@@ -274,19 +301,137 @@ class Chains:
     def find(self, key, state: torch.Tensor | None) -> Stream | None:
         with self._lock:
             entry = self._last.get(key)
-            epoch = self._epoch
         if entry is None:
             return None
-        ref, print_, at = entry
+        ref, print_, _ = entry
         record = ref()
-        if record is None or at != epoch:
-            return None
+        if record is None or not LINEAGE.descends(key, record.lineage.get(key)):
+            return None  # gone, or a seed or state was set since it closed
         if print_ != (fingerprint(state) if state is not None else None):
             return None
         return record.streams.get(key)
 
 
 CHAINS = Chains()
+
+
+class Lineage:
+    """Names for the state each default generator has *eagerly*, so that a reseed
+    between a deferral and its materialization is noticed, even one to the very
+    state the generator holds.
+
+    After a deferral the real generator stands where it was, while eagerly it
+    has moved past the record's draws; materialization moves it there (the
+    hand-over, :mod:`deferinit.materialize.generators`) only while its eager
+    state is still the one the record left.  Each state gets a name (a
+    number): closing a record names the state after its draws, a child of the
+    state before (:meth:`advance`); a seed or a state set by user code is a
+    new root (:meth:`reseed`); a state read with ``get_rng_state`` and set
+    back (``fork_rng``'s exit, a trainer saving and restoring) carries the name
+    it was read under, so it puts back that eager state (:meth:`read`,
+    :meth:`restored`).  A record's draws are pending for the hand-over while
+    the generator's current name descends from the name its close gave
+    (:meth:`descends`): through later records' closes only.
+
+    torch's Python API for the generators is diverted while a closed record
+    waits for its hand-over (:mod:`deferinit.seeding`), which tells this what
+    user code does.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._clock = itertools.count(1)
+        self._parent: dict[int, int | None] = {}
+        self._current: dict = {}  # generator key -> name
+        self._base = 0  # the name of keys not seen yet (every generator seeded)
+        self._kind: dict[str, int] = {}  # device type -> name of its keys not seen yet
+        self._read: dict[int, tuple] = {}  # id(state tensor) -> (weakref, key, name)
+
+    def _new(self, parent) -> int:
+        name = next(self._clock)
+        self._parent[name] = parent
+        return name
+
+    def current(self, key) -> int:
+        with self._lock:
+            return self._now(key)
+
+    def _now(self, key) -> int:
+        name = self._current.get(key)
+        if name is None:
+            name = max(self._base, self._kind.get(key.type, 0))
+            self._current[key] = name
+        return name
+
+    def advance(self, key) -> int:
+        """A record drew from ``key``'s generator: the eager state's new name."""
+        with self._lock:
+            name = self._current[key] = self._new(self._now(key))
+            return name
+
+    def reseed(self, keys=None, kind: str | None = None) -> None:
+        """User code seeded or set generators: ``keys``, every one of device type
+        ``kind``, or (both None) every default generator."""
+        with self._lock:
+            name = self._new(None)
+            if keys is None and kind is None:
+                self._base = name
+                self._current = {k: name for k in self._current}
+            elif keys is None:
+                self._kind[kind] = name
+                for k in self._current:
+                    if k.type == kind:
+                        self._current[k] = name
+            else:
+                for k in keys:
+                    self._current[k] = name
+
+    def read(self, key, state) -> None:
+        """``state`` was read from ``key``'s generator (``get_rng_state``)."""
+        if not isinstance(state, torch.Tensor):
+            return
+        with self._lock:
+            token = id(state)
+            self._read[token] = (weakref.ref(state, lambda _, t=token: self._read.pop(t, None)), key, self._now(key))
+
+    def restored(self, key, state) -> None:
+        """``key``'s generator was set to ``state``: back to the eager state it was
+        read in, if it was read from that generator, else a reseed."""
+        with self._lock:
+            found = self._read.get(id(state)) if isinstance(state, torch.Tensor) else None
+            if found is not None and found[0]() is state and found[1] == key:
+                self._current[key] = found[2]
+                return
+        self.reseed(keys=(key,))
+
+    def revivable(self, key, name) -> bool:
+        """Whether a state read from ``key``'s generator under ``name`` or a name
+        following it is still alive: set back, it would put that state in force."""
+        with self._lock:
+            for ref, k, read in list(self._read.values()):
+                if k != key or ref() is None:
+                    continue
+                while read is not None:
+                    if read == name:
+                        return True
+                    read = self._parent.get(read)
+            return False
+
+    def descends(self, key, name) -> bool:
+        """Whether the eager state of ``key``'s generator is ``name`` or follows it by
+        records' draws only (True for None: nothing known to compare)."""
+        if name is None:
+            return True
+        with self._lock:
+            now = self._now(key)
+            while now is not None:
+                if now == name:
+                    return True
+                now = self._parent.get(now)
+            return False
+
+
+LINEAGE = Lineage()
 
 
 class Foreign:
@@ -345,6 +490,8 @@ class _Local(threading.local):
 
 
 _local = _Local()
+# An interrupted call leaves this thread's record stack as it found it.
+register(lambda: len(_local.records), lambda n: _local.records.__delitem__(slice(n, None)))
 
 
 def current_record() -> Record | None:

@@ -22,8 +22,9 @@ from deferinit.fake.tensor import FakeTensor, describe
 
 from .collectives import NAMESPACES as COLLECTIVE_NAMESPACES, record_collective
 from .errors import DataDependentError, InferenceTensorInputError, MixedFakeError, RecordingError
+from .exclusive import exclusive
 from .fastpath import FAST
-from .outside import computes_plain
+from .outside import computes_plain, plain_data
 from .realdraws import draw_real
 from .plain import copied, dispatches_itself, holds_values
 from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
@@ -49,13 +50,25 @@ class Recorder(FakeHandler):
     # -- the graph --------------------------------------------------------------
 
     def dispatch(self, func, args, kwargs, context):
+        if context is not None or current_record() is not None:
+            return self._dispatch(func, args, kwargs, context, False)
+        if func not in DATA_OPS and computes_plain(func, op_info(func), args, kwargs):
+            # Running a deferred model, not changing it: see deferinit/outside.py.
+            return FakeHandler.dispatch(self, func, args, kwargs, None)
+        # A change to a finished deferral (or a value read from it): one at a
+        # time with materializations (deferinit/exclusive.py).  One that made
+        # these tensors real while this call waited leaves an operation on
+        # real tensors: eager's, as if it had come after.
+        deferred = [a for a in flatten(args, kwargs)[0] if isinstance(a, FakeTensor)]
+        with exclusive():
+            if any(not isinstance(a, FakeTensor) for a in deferred):
+                return func(*args, **kwargs)
+            return self._dispatch(func, args, kwargs, None, True)
+
+    def _dispatch(self, func, args, kwargs, context, after):
         if func in DATA_OPS:
             return self._data_op(func, args, kwargs, DATA_OPS[func])
         info = op_info(func)
-        after = context is None and current_record() is None
-        if after and computes_plain(func, info, args, kwargs):
-            # Running a deferred model, not changing it: see deferinit/outside.py.
-            return FakeHandler.dispatch(self, func, args, kwargs, None)
         if func in LIFT_OPS and not isinstance(args[0], FakeTensor) and args[0].device.type != "meta":
             return self.constant(args[0], args[0].device)
         if func.namespace in COLLECTIVE_NAMESPACES:  # c10d ops: see deferinit/collectives.py
@@ -290,16 +303,12 @@ class Recorder(FakeHandler):
         if not isinstance(new, FakeTensor):
             new = self._wrap_external(new, fake._record or current_record())
         elif new._record is None:
-            source = (
-                "was computed inside fake_mode, which does not record"
-                if in_fake_mode() or current_record() is None
-                else "is a fake from fake_mode"
-            )
+            if current_record() is None or in_fake_mode():
+                raise MixedFakeError(plain_data(new, fake))  # says where such a fake comes from
             raise MixedFakeError(
                 f"tensor.data = {describe(new)} on a deferred tensor {describe(fake)}: the new data "
-                f"{source}, so its values are unknown and the deferred tensor would lose its recipe. "
-                "Do this outside fake_mode (it is then recorded), create the new data inside "
-                "deferred_init, or assign a real tensor."
+                "is a fake from fake_mode, so its values are unknown and the deferred tensor would lose its "
+                "recipe. Create the new data inside deferred_init, or assign a real tensor."
             )
         record = new._record
         node = None

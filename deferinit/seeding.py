@@ -53,11 +53,12 @@ from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.device import normalize
 from deferinit.fake.tensor import FakeTensor
 
-from .patches import SharedPatch
-from .record import CHAINS, FOREIGN, Record, current_record
+from .patches import shared_patch
+from .record import CHAINS, FOREIGN, LINEAGE, Record, current_record
 from .recorder import RECORDER
 from .rng import (
-    CPU, CPU_GENERATOR, SAME, SEED, SET, register_stand_in, scratch_generator, seed_of_state, seeded_state,
+    CPU, CPU_GENERATOR, SAME, SEED, SET, register_stand_in,
+    scratch_generator, seed_of_state, seeded_state,
 )
 
 _C = torch._C.Generator
@@ -222,9 +223,10 @@ class _DivertedModule(types.ModuleType):
 # -- the diverted functions -------------------------------------------------------------
 
 
-def _diverted(original, virtual, sets: bool):
-    """``original`` in other threads (telling CHAINS when it sets a generator), ``virtual``
-    in the recording thread."""
+def _diverted(original, virtual, sets: bool, told):
+    """``original`` in other threads (telling CHAINS when it sets a generator, and
+    LINEAGE what it did: ``told(result, *args, **kwargs)``), ``virtual`` in the
+    recording thread."""
 
     @functools.wraps(original)
     def call(*args, **kwargs):
@@ -232,8 +234,13 @@ def _diverted(original, virtual, sets: bool):
         if record is None:
             if sets:
                 CHAINS.bump()
-                return FOREIGN.setting(original, *args, **kwargs)
-            return original(*args, **kwargs)
+                result = FOREIGN.setting(original, *args, **kwargs)
+            else:
+                result = original(*args, **kwargs)
+            told(result, *args, **kwargs)
+            if sets:
+                _release_moot()
+            return result
         return virtual(record, original, *args, **kwargs)
 
     call.__deferinit_original__ = original
@@ -306,31 +313,85 @@ def _cuda_set_rng_state_all(record, original, new_states):
         _set_state(record, torch.device("cuda", i), state)
 
 
+# -- what the calls of other threads (and of this one, outside recording) tell LINEAGE ----
+
+
+def _all_reseeded(result, *args, **kwargs):
+    LINEAGE.reseed()
+
+
+def _nothing(result, *args, **kwargs):
+    pass
+
+
+def _cpu_read(result, *args, **kwargs):
+    LINEAGE.read(CPU, result)
+
+
+def _cpu_set(result, new_state=None, *args, **kwargs):
+    LINEAGE.restored(CPU, kwargs.get("new_state", new_state))
+
+
+def _cuda_key(device=None) -> torch.device:
+    device = _cuda_device(device)
+    if device.index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        device = torch.device("cuda", index)
+    return device
+
+
+def _cuda_reseeded(result, *args, **kwargs):
+    LINEAGE.reseed(keys=(_cuda_key(),))
+
+
+def _cuda_all_reseeded(result, *args, **kwargs):
+    LINEAGE.reseed(kind="cuda")
+
+
+def _cuda_read(result, device="cuda", *args, **kwargs):
+    LINEAGE.read(_cuda_key(kwargs.get("device", device)), result)
+
+
+def _cuda_read_all(result, *args, **kwargs):
+    for i, state in enumerate(result or ()):
+        LINEAGE.read(torch.device("cuda", i), state)
+
+
+def _cuda_set(result, new_state=None, device="cuda", *args, **kwargs):
+    LINEAGE.restored(_cuda_key(kwargs.get("device", device)), kwargs.get("new_state", new_state))
+
+
+def _cuda_set_all(result, new_states=(), *args, **kwargs):
+    for i, state in enumerate(kwargs.get("new_states", new_states)):
+        LINEAGE.restored(torch.device("cuda", i), state)
+
+
+# name -> (what the recording thread's call does, whether it sets, what other calls tell LINEAGE)
 _RANDOM = {
-    "manual_seed": (_manual_seed, True),
-    "seed": (_seed, True),
-    "initial_seed": (_initial_seed, False),
-    "get_rng_state": (_get_rng_state, False),
-    "set_rng_state": (_set_rng_state, True),
+    "manual_seed": (_manual_seed, True, _all_reseeded),
+    "seed": (_seed, True, _all_reseeded),
+    "initial_seed": (_initial_seed, False, _nothing),
+    "get_rng_state": (_get_rng_state, False, _cpu_read),
+    "set_rng_state": (_set_rng_state, True, _cpu_set),
 }
 _CUDA = {
-    "manual_seed": (_cuda_manual_seed, True),
-    "manual_seed_all": (_cuda_manual_seed_all, True),
-    "seed": (_cuda_seed, True),
-    "seed_all": (_cuda_seed_all, True),
-    "initial_seed": (_cuda_initial_seed, False),
-    "get_rng_state": (_cuda_get_rng_state, False),
-    "get_rng_state_all": (_cuda_get_rng_state_all, False),
-    "set_rng_state": (_cuda_set_rng_state, True),
-    "set_rng_state_all": (_cuda_set_rng_state_all, True),
+    "manual_seed": (_cuda_manual_seed, True, _cuda_reseeded),
+    "manual_seed_all": (_cuda_manual_seed_all, True, _cuda_all_reseeded),
+    "seed": (_cuda_seed, True, _cuda_reseeded),
+    "seed_all": (_cuda_seed_all, True, _cuda_all_reseeded),
+    "initial_seed": (_cuda_initial_seed, False, _nothing),
+    "get_rng_state": (_cuda_get_rng_state, False, _cuda_read),
+    "get_rng_state_all": (_cuda_get_rng_state_all, False, _cuda_read_all),
+    "set_rng_state": (_cuda_set_rng_state, True, _cuda_set),
+    "set_rng_state_all": (_cuda_set_rng_state_all, True, _cuda_set_all),
 }
 
 
 def _replacements(table):
     def make(module):
         return {
-            name: _diverted(getattr(module, name), virtual, sets)
-            for name, (virtual, sets) in table.items()
+            name: _diverted(getattr(module, name), virtual, sets, told)
+            for name, (virtual, sets, told) in table.items()
             if getattr(module, name, None) is not None
         }
 
@@ -344,37 +405,80 @@ def _cuda_random():
 
 
 FUNCTIONS = (
-    SharedPatch(lambda: torch.random, _replacements(_RANDOM)),
-    SharedPatch(lambda: torch, _replacements(_RANDOM)),
-    SharedPatch(_cuda_random, _replacements(_CUDA)),
-    SharedPatch(lambda: torch.cuda, _replacements(_CUDA)),
+    shared_patch("generator api", "torch.random", lambda: torch.random, _replacements(_RANDOM)),
+    shared_patch("generator api", "torch", lambda: torch, _replacements(_RANDOM)),
+    shared_patch("generator api", "torch.cuda.random", _cuda_random, _replacements(_CUDA)),
+    shared_patch("generator api", "torch.cuda", lambda: torch.cuda, _replacements(_CUDA)),
 )
 MODULE_CLASSES = tuple(
-    SharedPatch(module, lambda m: {"__class__": _DivertedModule})
-    for module in (lambda: torch, lambda: torch._C, lambda: torch.random)
+    shared_patch("module classes", name, module, lambda m: {"__class__": _DivertedModule})
+    for name, module in (("torch", lambda: torch), ("torch._C", lambda: torch._C), ("torch.random", lambda: torch.random))
 )
 
 
-class installed:
-    """Divert the generator API while this thread records (nesting and threads safe)."""
-
-    def __enter__(self):
-        for patch in FUNCTIONS + MODULE_CLASSES:
-            patch.acquire()
-
-    def __exit__(self, *exc):
-        for patch in reversed(FUNCTIONS + MODULE_CLASSES):
-            patch.release()
+def hold(holder) -> None:
+    """Divert the generator API while this thread records, held as ``holder``
+    (released by the recording's :class:`~deferinit.fake.guard.Entry`)."""
+    for patch in FUNCTIONS + MODULE_CLASSES:
+        patch.acquire(holder)
 
 
 def hold_while_alive(record: Record) -> None:
-    """Keep the functions diverted while ``record`` may be continued by the next one,
-    so that a ``torch.manual_seed`` in between is noticed (see :data:`CHAINS`)."""
+    """Keep the functions diverted while ``record``'s draws on a default generator
+    wait for their hand-over or may be continued by the next record, so that
+    a seed or a state set in between is noticed (see :data:`LINEAGE`,
+    :data:`CHAINS`): until that is moot (:func:`release_if_moot`) or the
+    record dies."""
+    if record in _holders:
+        return
+    holder = _Holder()
+    weakref.finalize(record, _release_functions, holder)
+    _holders[record] = holder
     for patch in FUNCTIONS:
-        patch.acquire()
-    weakref.finalize(record, _release_functions)
+        patch.acquire(holder)
 
 
-def _release_functions() -> None:
+class _Holder:
+    __slots__ = ("__weakref__",)
+
+
+_holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _release_functions(holder) -> None:
     for patch in reversed(FUNCTIONS):
-        patch.release()
+        patch.release(holder)
+
+
+def release_if_moot(record: Record) -> None:
+    """Stop diverting the functions for ``record`` once none of its default
+    generators can be handed over or continued any more: each was reseeded
+    since, and no state read since the record closed is alive (set back, it
+    would put the record's state in force again).  A generator merely moved
+    (handed over, drawn from) does not make it moot: a later seed may give
+    it the very bytes the record left, and only the diversion tells that
+    seed from the record's state (CHAINS would continue the record).
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 2)
+        >>> record = m.weight._record
+        >>> record in _holders
+        True
+        >>> _ = torch.manual_seed(0)    # what m drew is moot now
+        >>> record in _holders
+        False
+    """
+    holder = _holders.get(record)
+    if holder is None:
+        return
+    for key, name in record.lineage.items():
+        if LINEAGE.revivable(key, name) or LINEAGE.descends(key, name):
+            return  # may still be handed over or continued there
+    _holders.pop(record, None)
+    _release_functions(holder)
+
+
+def _release_moot() -> None:
+    for record in list(_holders.keys()):
+        release_if_moot(record)

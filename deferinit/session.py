@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from deferinit.fake.guard import Entry
 from deferinit.fake.mode import fake_modes
 
 from . import patches, pending, seeding
@@ -64,6 +65,8 @@ def deferred():
         >>> is_deferred(m), m[0].weight.device
         (True, device(type='cuda', index=0))
     """
+    # Where the block is, for its label in messages and graphs only (nothing
+    # behaves differently by it): a context manager is not told its caller.
     caller = sys._getframe(1)
     where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
     return _recording(f"deferred() at {where}", f"with deferred() at {where}")
@@ -72,24 +75,41 @@ def deferred():
 @contextlib.contextmanager
 def _recording(label: str, note: str):
     """Record everything made in the block: the outermost block opens a record
-    and closes it on exit; nested blocks (either form) share it."""
+    and closes it on exit; nested blocks (either form) share it.
+
+    All or nothing for the thread whatever ends the block, wherever an
+    interrupt arrives: the entry (:class:`~deferinit.fake.guard.Entry`) holds
+    the block's patches and puts back the thread's modes and record stack;
+    closing the record (which gives explicit generators their real states
+    back) is idempotent, and run by an exit an interrupt cannot skip."""
+    entry = Entry()
     outer = current_record()
     record = outer if outer is not None else Record(label)
-    open_records().append(record)
     try:
-        with patches.installed(), seeding.installed(), fake_modes(RECORDER, record, fake_cuda=True):
+        open_records().append(record)
+        patches.TRUNC_NORMAL.acquire(entry)
+        seeding.hold(entry)
+        with fake_modes(RECORDER, record, fake_cuda=True):
             yield record
-    except Exception as e:
-        if outer is None and hasattr(e, "add_note"):
+    except BaseException as e:
+        entry.restore()
+        if outer is None and isinstance(e, Exception) and hasattr(e, "add_note"):
             e.add_note(f"(raised inside {note})")
         raise
     finally:
-        open_records().pop()
-        if outer is None:
-            record.close()
-            if record.chained:
-                seeding.hold_while_alive(record)
-            pending.watch(record)
+        try: _leave(entry, record, outer)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: _leave(entry, record, outer)  # noqa: E701
+
+
+def _leave(entry, record, outer) -> None:
+    """End a recording block (idempotent): the thread's record stack and patches
+    as at its entry, and the outermost block's record closed and watched."""
+    entry.leave()
+    if outer is None:
+        record.close()
+        if record.chained:
+            seeding.hold_while_alive(record)
+        pending.watch(record)
 
 
 def _label(fn) -> str:

@@ -1,6 +1,15 @@
 """Where in the user's code something happened: the modules being built, and
 qualified names of tensors in a module.  Computed only when a message or a
-printed graph needs it, never on the recording hot path."""
+printed graph needs it, never on the recording hot path.
+
+The Python stack is read here because no protocol serves: PyTorch tells a
+mode which operator runs, not which module's ``__init__``, ``forward`` or
+optimizer ``step`` calls it, and the process-wide module hooks that would
+(``register_module_forward_pre_hook``) would be a change of torch's global
+state for the life of every deferred tensor.  :func:`training` decides
+behaviour (an operation on a deferred tensor inside a forward pass is
+computed on fakes with a warning, not recorded); the rest only words
+messages."""
 
 from __future__ import annotations
 

@@ -17,12 +17,7 @@ from .storage import FakeStorage
 from .tensor import FakeTensor, is_fake, meta_like
 from . import dispatch as _dispatch  # noqa: F401  (installs the plain handler)
 from .mode import fake_mode
-from . import assign as _assign
-from .first import at_first_fake as _at_first_fake
-
-# Patches of torch.Tensor that only fakes need (real.data = fake, see
-# fake/assign.py), installed when the first fake is made.
-_at_first_fake(_assign.install)
+from . import assign as _assign  # noqa: F401  (real.data = fake; installed while fakes live, fake/alive.py)
 
 __all__ = [
     "FakeStorage",

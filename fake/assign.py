@@ -8,10 +8,10 @@ OLoRA initialisations do it).  In C++ that copies ``t``'s tensor fields into
 nothing, and crash the process at the first kernel that reads it.  The C++
 setter, like the C++ decomposition of ``p.set_(t, offset, size, stride)``,
 never asks ``t``'s class, so ``torch.Tensor.data`` and ``torch.Tensor.set_``
-are replaced once, when the first fake of the process is made (a process
-without fakes keeps PyTorch's own), by versions that hand an operation with
-a fake argument on a real tensor to this module; everything else goes
-straight to PyTorch's own.
+are replaced while fakes are alive (:mod:`deferinit.fake.alive`: from the first
+fake made to the last one gone; a process without fakes keeps PyTorch's
+own), by versions that hand an operation with a fake argument on a real
+tensor to this module; everything else goes straight to PyTorch's own.
 
 Here ``p`` becomes a fake in place (the same Python object, with its class
 remembered for materialization, its ``requires_grad`` and its attributes),
@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import torch
 
+from .alive import hold_while_fakes_live
 from .errors import FakeIntoRealError
+from .patch import shared_patch
 from .subclass import fake_class, remember_class
 from .tensor import FakeTensor, describe
 
@@ -64,24 +66,11 @@ _set_.__module__ = "torch"
 #: ``torch.Tensor.data``: PyTorch's getter, and a setter that sends fakes here.
 DATA = property(_DATA.__get__, _set_data, doc=_DATA.__doc__)
 
-
-def install() -> None:
-    """Put :data:`DATA` and the ``set_`` above on ``torch.Tensor`` (once, idempotent;
-    the Fake layer calls it when the first fake is made).
-
-    Example::
-
-        >>> install()
-        >>> with fake_mode():
-        ...     f = torch.ones(3)
-        >>> p = torch.nn.Parameter(torch.zeros(2))
-        >>> p.data = f
-        >>> is_fake(p), isinstance(p, torch.nn.Parameter), p.shape
-        (True, True, torch.Size([3]))
-    """
-    if vars(torch.Tensor).get("data") is not DATA:
-        torch.Tensor.data = DATA
-        torch.Tensor.set_ = _set_
+#: :data:`DATA` and the ``set_`` above on ``torch.Tensor``, held while fakes live (fake/alive.py).
+TENSOR_DATA = shared_patch(
+    "tensor data", "torch.Tensor", lambda: torch.Tensor, lambda _: {"data": DATA, "set_": _set_}
+)
+hold_while_fakes_live(TENSOR_DATA)
 
 
 # The backends whose dense tensors eager lets share .data (TensorImpl's

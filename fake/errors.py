@@ -29,6 +29,7 @@ class FakeDataAccessError(FakeTensorError):
 
     def __init__(self, operation: str, tensor_desc: str, hint: str | None = None):
         self.operation = operation
+        self.tensor_desc = tensor_desc
         message = (
             f"{operation} needs the data of a fake tensor {tensor_desc}, and fake "
             "tensors hold no data: only shape, dtype, strides, device and the size of their memory."

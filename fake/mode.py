@@ -19,10 +19,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import handlers
 from .copying import deepcopy_tensor
+from .cudnn import cudnn_as_on_cpu_builds
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .reads import READS, read, reads_memory
 from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
+from .guard import Entry
 from .subclass import accepting_fakes
 from .tensor import FakeTensor
 
@@ -32,6 +34,8 @@ from .tensor import FakeTensor
 _skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
+_len_function = torch._C._len_torch_function_stack
+_function_at = torch._C._get_function_stack_at
 
 
 _dispatch_depth = torch._C._len_torch_dispatch_stack
@@ -59,8 +63,22 @@ class FakeFunctionMode(TorchFunctionMode):
         self.partner_depth = -1
         # (function, first argument) of the Python bodies running through this mode.
         self.bodies: list = []
+        self.closed = False  # its block ended (see __torch_function__)
+
+    def __exit__(self, *exc):
+        # Popped already: an interrupt inside torch's own _pop_mode_temporarily
+        # (torch.overrides) lost it; the guard of the block puts the stack back
+        # (deferinit.fake.guard), and popping now would pop someone else's.
+        if any(_function_at(i) is self for i in range(_len_function())):
+            return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.closed:
+            # Its block has ended, yet torch pushed it back: an interrupt inside
+            # torch's own _pop_mode_temporarily (a contextlib generator) leaves
+            # that generator suspended, and collecting it pushes the mode again.
+            # Inert: every call runs as if the mode were not there.
+            return func(*args, **(kwargs or {}))
         if func in _PLAIN:
             return func(*args, **kwargs) if kwargs else func(*args)
         meant = _backend_stands_for(args) if BACKENDLESS and type(func) not in _OPERATORS else None
@@ -140,7 +158,9 @@ def _prologue():
     have replaced (transformers swaps ``torch.nn.init``'s functions for
     guards while it initializes weights); the body meant is the caller's.
     Frames: this one, ``__torch_function__``, ``handle_torch_function``, the
-    prologue.
+    prologue.  No protocol serves: ``handle_torch_function`` hands modes the
+    object the prologue named, and only the prologue's frame holds the code
+    that is running.
     """
     frame = sys._getframe(2)
     return frame.f_back if frame.f_code is _HANDLE else None
@@ -248,7 +268,9 @@ class FakeDispatchMode(TorchDispatchMode):
     def __exit__(self, *exc):
         if self.yields:
             _surface(self)
-        return super().__exit__(*exc)
+        if any(_dispatch_at(i) is self for i in range(_len_dispatch())):
+            return super().__exit__(*exc)
+        # Popped already (an interrupt in torch's own handler): as for FakeFunctionMode.
 
 
 _len_dispatch = torch._C._len_torch_dispatch_stack
@@ -294,14 +316,37 @@ def _surface(mode) -> None:
     _push_dispatch(mode)
 
 
+Entry.OURS = (FakeFunctionMode, FakeDispatchMode)
+
+
 @contextlib.contextmanager
 def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = False):
-    """Enter a function mode and a dispatch mode for ``handler`` (internal)."""
-    function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
-    dispatch_mode = FakeDispatchMode(handler, context, yields)
-    with accepting_fakes(), function_mode, dispatch_mode:
-        function_mode.partner_depth = _dispatch_depth()
-        yield
+    """Enter a function mode and a dispatch mode for ``handler`` (internal).
+
+    However the block ends, and wherever an interrupt arrives (also inside
+    the modes' own enter and exit), the thread's mode stacks are left as they
+    were, the user's own modes pushed in the block apart (see
+    :mod:`deferinit.fake.guard`)."""
+    entry = Entry()
+    function_mode = None
+    try:
+        function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
+        dispatch_mode = FakeDispatchMode(handler, context, yields)
+        with accepting_fakes(entry), cudnn_as_on_cpu_builds(fake_cuda), function_mode, dispatch_mode:
+            function_mode.partner_depth = _dispatch_depth()
+            yield
+    except BaseException:
+        entry.restore()
+        raise
+    finally:
+        try: _end(entry, function_mode)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: _end(entry, function_mode)  # noqa: E701
+
+
+def _end(entry, function_mode) -> None:
+    if function_mode is not None:
+        function_mode.closed = True
+    entry.leave()
 
 
 @contextlib.contextmanager

@@ -1,9 +1,11 @@
-"""Attributes of a module or class replaced while any thread needs them.
+"""Attributes of a module or class replaced while anyone holds them, put back when nobody does.
 
-``deferinit`` diverts ``nn.init``'s ``trunc_normal_`` worker while it
-records, and the Fake layer makes ``torch.Tensor._make_subclass`` accept
-fakes (:mod:`deferinit.fake.subclass`): replacements shared by every thread that
-records, installed by the first and removed by the last.
+Every replacement the project makes is listed in :mod:`deferinit.fake.replaced`
+and installed through a :class:`SharedPatch`: ``.data`` and ``set_`` while a
+fake is alive (:mod:`deferinit.fake.alive`), ``_make_subclass`` while a thread
+is in a fake mode (:mod:`deferinit.fake.subclass`), ``nn.init``'s
+``trunc_normal_`` worker and the generator API while a thread records
+(``deferinit.patches``, ``deferinit.seeding``), and so on.
 """
 
 from __future__ import annotations
@@ -11,66 +13,165 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from .replaced import entry
+
 _MISSING = object()
 
 
 class SharedPatch:
-    """Attributes of a module replaced while any thread holds the patch.
+    """Attributes of a module replaced while anyone holds the patch.
 
-    Holding is reference counted under a lock: the first holder installs the
-    replacements, the last one puts the originals back (deleting attributes
-    the module did not have), whatever the threads and however they leave.
-    ``replacements(module)`` returns ``{name: value}``; ``module`` is a
-    callable returning the module, so that it is imported only when needed.
+    Holders are named (any hashable object: a record, a token), so that
+    taking and giving back are idempotent: whether the replacements are in
+    place follows from whether anyone holds them, and :meth:`settle` makes
+    it so.  That is what keeps an interrupt (``KeyboardInterrupt`` between
+    two ``setattr``) from leaving half a patch: the next settle finishes the
+    job, and every public call settles the patches on its way out
+    (``deferinit.fake.guard``).  The originals are put back only where the
+    attribute is still ours: a replacement another library made on top of
+    ours meanwhile is left to it.  ``key`` names the entry of
+    :data:`deferinit.fake.replaced.TABLE` that lists these attributes;
+    ``replacements(module)`` returns ``{name: value}`` (made once);
+    ``module`` is a callable returning the module, imported only when needed.
 
     Example::
 
         >>> import math
-        >>> patch = SharedPatch(lambda: math, lambda m: {"tau": 6.0})
+        >>> patch = SharedPatch("trunc normal", "torch.nn.init", lambda: math,
+        ...                     lambda m: {"_no_grad_trunc_normal_": 6.0})
         >>> with patch.held():
-        ...     math.tau
+        ...     math._no_grad_trunc_normal_
         6.0
-        >>> math.tau
-        6.283185307179586
+        >>> hasattr(math, "_no_grad_trunc_normal_")
+        False
     """
 
-    def __init__(self, module, replacements):
+    def __init__(self, key: str, owner: str, module, replacements):
+        self.key = key
+        self.owner = owner
         self._module = module
         self._replacements = replacements
         # Re-entrant: a release may come from a finalizer the cyclic collector
         # runs while this thread is inside acquire or release.
         self._lock = threading.RLock()
+        self._holders: set = set()
+        self._made: dict | None = None
         self._saved: dict = {}
-        self.users = 0
+        # Whether the last settle completed with the replacements in place.
+        self._installed = False
 
-    def acquire(self) -> None:
-        """Hold the patch (installing it if nobody held it); pair with :meth:`release`."""
-        with self._lock:
-            if self.users == 0:
-                module = self._module()
-                for name, value in self._replacements(module).items():
-                    # A class's own attribute, not an inherited one: put back exactly.
-                    own = isinstance(module, type)
-                    self._saved[name] = vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
-                    setattr(module, name, value)
-            self.users += 1
+    @property
+    def users(self) -> int:
+        """How many hold the patch now."""
+        return len(self._holders)
 
-    def release(self) -> None:
+    def acquire(self, holder=None):
+        """Hold the patch as ``holder`` (a new token if None); returns the holder, to
+        give to :meth:`release`.  Holding twice under one name holds once."""
+        holder = object() if holder is None else holder
         with self._lock:
-            self.users -= 1
-            if self.users == 0:
-                module = self._module()
-                for name, original in reversed(list(self._saved.items())):
-                    if original is _MISSING:
-                        delattr(module, name)
-                    else:
-                        setattr(module, name, original)
-                self._saved.clear()
+            self._holders.add(holder)
+            self.settle()
+        return holder
+
+    def release(self, holder) -> None:
+        """Stop holding as ``holder`` (nothing if it does not hold)."""
+        with self._lock:
+            self._holders.discard(holder)
+            self.settle()
+
+    def settle(self) -> None:
+        """Put the replacements in place if anyone holds them, the originals back if
+        nobody does; finishes what an interrupted call left half done."""
+        with self._lock:
+            if self._holders:
+                if not self._installed:
+                    self._install()
+                    self._installed = True
+            elif self._installed or self._saved:
+                self._uninstall()
+                self._installed = False
+
+    def _install(self) -> None:
+        module = self._module()
+        if self._made is None:
+            made = self._replacements(module)
+            entry(self.key, self.owner, made)
+            self._made = made
+        own = isinstance(module, type)  # a class's own attribute, not an inherited one
+        for name, value in self._made.items():
+            current = vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
+            if current is value:
+                continue
+            self._saved.setdefault(name, current)
+            setattr(module, name, value)
+
+    def _uninstall(self) -> None:
+        module = self._module()
+        own = isinstance(module, type)
+        for name, original in reversed(list(self._saved.items())):
+            current = vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
+            if self._made is not None and current is self._made.get(name):
+                if original is _MISSING:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, original)
+            del self._saved[name]
+
+    def installed(self) -> bool:
+        """Whether the replacements are in place now (every one of them).
+
+        Example::
+
+            >>> import math
+            >>> patch = SharedPatch("trunc normal", "torch.nn.init", lambda: math,
+            ...                     lambda m: {"_no_grad_trunc_normal_": 6.0})
+            >>> patch.installed()
+            False
+        """
+        made = self._made
+        if made is None:
+            return False
+        module = self._module()
+        own = isinstance(module, type)
+        return all((vars(module).get(n) if own else getattr(module, n, None)) is v for n, v in made.items())
 
     @contextlib.contextmanager
     def held(self):
-        self.acquire()
+        holder = object()
         try:
+            self.acquire(holder)
             yield
         finally:
-            self.release()
+            self.release(holder)
+
+
+#: Every SharedPatch made, for :func:`settle_all`.
+_ALL: list = []
+_made_lock = threading.Lock()
+
+
+def shared_patch(key: str, owner: str, module, replacements) -> SharedPatch:
+    """A :class:`SharedPatch`, registered for :func:`settle_all`.
+
+    Example::
+
+        >>> from deferinit.fake.assign import TENSOR_DATA
+        >>> TENSOR_DATA in all_patches()
+        True
+    """
+    patch = SharedPatch(key, owner, module, replacements)
+    with _made_lock:
+        _ALL.append(patch)
+    return patch
+
+
+def all_patches() -> tuple:
+    """Every patch of the project (made so far)."""
+    return tuple(_ALL)
+
+
+def settle_all() -> None:
+    """Settle every patch: what an interrupt left half done is finished."""
+    for patch in all_patches():
+        patch.settle()

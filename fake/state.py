@@ -12,6 +12,8 @@ import threading
 
 import torch
 
+from .guard import register
+
 
 class _State(threading.local):
     def __init__(self) -> None:
@@ -90,3 +92,17 @@ def backend_meant() -> torch.device | None:
     """The device explicit CPU factories stand for here, or None."""
     stack = _state.backend
     return stack[-1] if stack else None
+
+
+def _saved():
+    return len(_state.intended), _state.fake_modes, len(_state.backend)
+
+
+def _restore(saved) -> None:
+    intended, modes, backend = saved
+    del _state.intended[intended:]
+    _state.fake_modes = modes
+    del _state.backend[backend:]
+
+
+register(_saved, _restore)  # an interrupted call leaves these stacks as it found them

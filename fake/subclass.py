@@ -26,7 +26,8 @@ import threading
 import torch
 from torch.nn.parameter import Parameter, UninitializedTensorMixin
 
-from .patch import SharedPatch
+from .guard import register
+from .patch import shared_patch
 from .tensor import FakeTensor
 
 _original = torch._C.TensorBase._make_subclass
@@ -112,7 +113,9 @@ class _Diversion:
     """``torch.Tensor._make_subclass`` while some thread is in a fake mode: ours
     in the threads inside a fake mode, PyTorch's own everywhere else, and for
     ``torch._dynamo``, which registers the builtin itself when it is first
-    imported (that may happen in the middle of a recording)."""
+    imported (that may happen in the middle of a recording).  The caller's
+    frame is read because no protocol serves: a descriptor is told the object
+    and class it is read from, never who reads it."""
 
     def __get__(self, obj, owner=None):
         if getattr(_local, "depth", 0) and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch._dynamo"):
@@ -123,15 +126,27 @@ class _Diversion:
 _local = threading.local()
 
 #: Installed while any thread is in a fake mode (reference counted).
-MAKE_SUBCLASS = SharedPatch(lambda: torch.Tensor, lambda _: {"_make_subclass": _Diversion()})
+MAKE_SUBCLASS = shared_patch("make subclass", "torch.Tensor", lambda: torch.Tensor, lambda _: {"_make_subclass": _Diversion()})
 
 
 @contextlib.contextmanager
-def accepting_fakes():
-    """``torch.Tensor._make_subclass`` takes fakes in this thread for the block."""
-    with MAKE_SUBCLASS.held():
-        _local.depth = getattr(_local, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            _local.depth -= 1
+def accepting_fakes(holder):
+    """``torch.Tensor._make_subclass`` takes fakes in this thread for the block,
+    held as ``holder`` (a :class:`~deferinit.fake.guard.Entry`, which puts the
+    depth back and releases the hold if the block's exit is interrupted)."""
+    depth = getattr(_local, "depth", 0)
+    try:
+        MAKE_SUBCLASS.acquire(holder)
+        _local.depth = depth + 1
+        yield
+    finally:
+        try: _leave(holder, depth)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: _leave(holder, depth)  # noqa: E701
+
+
+def _leave(holder, depth) -> None:
+    _local.depth = depth
+    MAKE_SUBCLASS.release(holder)
+
+
+register(lambda: getattr(_local, "depth", 0), lambda depth: setattr(_local, "depth", depth))

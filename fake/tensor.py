@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import first as _first
+from .alive import life as _life
 from . import handlers
 from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
@@ -27,15 +27,26 @@ from .storage_set import fake_set_
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.
 INTERNAL_ATTRS = frozenset(
-    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias"}
+    {"_shadow", "_device", "_record", "_value", "_storage", "_is_param", "_param_cls", "_leaf", "_data_alias", "_life"}
 )
 
 _PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
 
-_TYPED_STORAGE_HINT = (
-    "Typed storages are deprecated and read data; untyped_storage() gives the size of a "
-    "fake's memory (nbytes()) without reading it."
-)
+_TYPED = "A typed storage is the tensor's memory (its bytes and address), and a fake has none."
+
+
+def _no_memory(fake, what: str) -> str:
+    """The hint for an access to a fake's memory (its address, a typed storage):
+    what libraries want it for, and what to do, for a deferred fake (materialize)
+    or a plain one (which has no values to give)."""
+    if fake._record is not None:  # deferred: its values exist once materialized
+        fix = ("Materialize it first (materialize_module(model), or materialize_tensor(t)), then save or read it")
+    else:
+        fix = "A fake from fake_mode has no values to save: build the tensor for real to save it"
+    return (
+        f"{what} Saving a tensor (safetensors' save_file, save_pretrained, torch.save) needs its bytes. {fix}. "
+        "The size of its memory is untyped_storage().nbytes(), which a fake answers."
+    )
 
 
 class FakeTensor(torch.Tensor):
@@ -125,7 +136,9 @@ class FakeTensor(torch.Tensor):
         if name == "_is_param" and value:
             # nn.Parameter(custom_tensor) returns the custom tensor flagged
             # with _is_param; remember which Parameter class was asked for so
-            # that materialization gives back an instance of it.
+            # that materialization gives back an instance of it.  The stack is
+            # read because no protocol serves: Parameter.__new__ passes the
+            # class to nothing but its own frame (no torch function, no dispatch).
             caller = sys._getframe(1)
             if caller.f_code is _PARAMETER_NEW:
                 cls = caller.f_locals.get("cls")
@@ -228,7 +241,7 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
-        error = FakeDataAccessError("data_ptr()", describe(self), "A fake tensor has no memory, hence no address.")
+        error = FakeDataAccessError("data_ptr()", describe(self), _no_memory(self, "A fake tensor has no memory, hence no address."))
         raise handlers.explain_data_access(error, self)
 
     def untyped_storage(self):
@@ -236,10 +249,10 @@ class FakeTensor(torch.Tensor):
         return storage_of(self.__dict__["_shadow"])
 
     def storage(self):
-        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _no_memory(self, _TYPED)), self)
 
     def _typed_storage(self):
-        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _TYPED_STORAGE_HINT), self)
+        raise handlers.explain_data_access(FakeDataAccessError("storage()", describe(self), _no_memory(self, _TYPED)), self)
 
     def __dlpack__(self, *args, **kwargs):
         raise FakeDataAccessError("__dlpack__()", describe(self), "A fake tensor has no memory to share.")
@@ -273,8 +286,6 @@ _STRIDED = torch.strided
 
 def _make(cls, shadow, device, requires_grad=False):
     # Positional arguments: this runs for every fake ever made.
-    if _first.waiting:
-        _first.first_fake()
     self = _make_wrapper(
         cls, shadow.size(), shadow.stride(), shadow.storage_offset(), None,
         shadow.dtype, _STRIDED, backend_device(device), False, requires_grad,
@@ -282,6 +293,8 @@ def _make(cls, shadow, device, requires_grad=False):
     d = self.__dict__
     d["_shadow"] = shadow
     d["_device"] = device
+    # Holds torch.Tensor's .data and set_ patches while this fake lives (fake/alive.py).
+    d["_life"] = _life()
     return self
 
 

@@ -9,6 +9,8 @@ import warnings
 import torch
 
 from deferinit.errors import AutogradMaterializationError
+from deferinit.exclusive import exclusive
+from deferinit.fake.guard import Entry
 from deferinit.holdings import holdings
 from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
@@ -19,11 +21,11 @@ from .autograd import (
 )
 from .graphcheck import check_graph
 
-from .generators import hand_over_generators, records_of
+from .generators import committed_then_handed_over, records_of
 from .progress import start_progress
 from .replay import Replay
 from .sharded import materialize_sharded
-from .swap import dress, remember_real_storages, swap_all
+from .swap import Swaps, dress
 
 
 def _fake_of(t):
@@ -41,7 +43,8 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
     every reference to it (module attributes, an optimizer, a tied module)
     now sees real memory with exactly the values eager construction would
     have produced.  A real or plain fake tensor is returned as it is, and a
-    second call is a no-op.  ``device=`` materializes on another device than
+    second call is a no-op (also one that waited for another thread's
+    materialization of the same tensor).  ``device=`` materializes on another device than
     the recorded one; ``inference=True`` gives inference tensors.
 
     Example::
@@ -51,11 +54,17 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
         >>> materialize_tensor(w) is w, is_deferred(w)
         (True, False)
     """
-    fake = _fake_of(tensor)
-    if fake is None:
-        return tensor
-    with _collector_paused():
-        _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+    with exclusive():  # another thread may be materializing it: decided once it is done
+        fake = _fake_of(tensor)
+        if fake is None:
+            return tensor
+        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+        try:
+            with _collector_paused():
+                _materialize([("tensor", fake)], device=device, inference=inference, progress=False)
+        except BaseException:
+            entry.restore()
+            raise
     return tensor
 
 
@@ -92,6 +101,9 @@ def materialize_module(
     stream ended (its last draw replayed), the generator is left where eager
     construction would have left it, provided nothing drew from it since
     ``deferred_init`` (with ``device=``: the target device's generator).
+    Threads may ask at once (this module, a submodule, one of its tensors,
+    ``load_checkpoint``): one call materializes, the others wait for it and
+    find done what it made real (:mod:`deferinit.exclusive`).
 
     Example::
 
@@ -102,11 +114,19 @@ def materialize_module(
         >>> all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))
         True
     """
-    targets, left, beyond = _module_targets(module, buffers_only, check_fn)
-    if targets:
-        with _collector_paused():
-            if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
-                _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
+    with exclusive():
+        # The targets are what is still deferred once no other thread is
+        # materializing: tensors another call made real meanwhile are done.
+        targets, left, beyond = _module_targets(module, buffers_only, check_fn)
+        if targets:
+            entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+            try:
+                with _collector_paused():
+                    if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress):
+                        _materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left)
+            except BaseException:
+                entry.restore()
+                raise
     if beyond:
         names = ", ".join(beyond[:5]) + (f" and {len(beyond) - 5} more" if len(beyond) > 5 else "")
         warnings.warn(
@@ -168,6 +188,17 @@ def _module_targets(module, buffers_only, check_fn):
 
 
 def _materialize(targets, *, device, inference, progress, kept_deferred=None) -> None:
+    committed_then_handed_over(
+        lambda hand: _swap_in(hand, targets, device=device, inference=inference, progress=progress,
+                              kept_deferred=kept_deferred),
+        device,
+    )
+
+
+def _swap_in(hand, targets, *, device, inference, progress, kept_deferred) -> None:
+    """Compute ``targets`` and swap them in, all or nothing (see
+    :class:`~deferinit.materialize.generators.HandOver`); the fakes swapped out
+    die with this frame."""
     binder = None
     if not inference and any(needs_graph(fake) or real_root_of(fake) for _, fake in targets):
         # Tensors computed from parameters with autograd: replay their graph
@@ -199,25 +230,33 @@ def _materialize(targets, *, device, inference, progress, kept_deferred=None) ->
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]
         pairs = _dressed(targets, reals, inference, binder, replay.retaken)
-        swap_all(pairs)
+        swaps = Swaps(pairs)
+        kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
+        try:
+            swaps.run()
+            for fake, token in zip(fakes, tokens):
+                if token is not None:
+                    token.real = fake  # now real: graphs replayed later reach it
+                    token.real_version = None if fake.is_inference() else fake._version
+            # The fakes are the real tensors now (``reals`` may have been swapped out).
+            swaps.remember(reads, storages, fakes)
+            hand.streams, hand.records = replay.replay_streams, records
+            hand.committed = True
+        except BaseException:
+            if not hand.committed:
+                for token, real, version in kept:
+                    token.real, token.real_version = real, version
+                swaps.undo()
+            raise
     except BaseException:
         if shown is not None:
             shown.close(ok=False)
         raise
     if shown is not None:
         shown.close()
-
-    for fake, token in zip(fakes, tokens):
-        if token is not None:
-            token.real = fake  # now real: graphs replayed later reach it
-            token.real_version = None if fake.is_inference() else fake._version
-    # The fakes are the real tensors now (``reals`` may have been swapped out).
-    remember_real_storages(reads, storages, fakes)
-    # The fakes swapped out die with these lists, and with them what only they
+    # The fakes swapped out die with this frame, and with them what only they
     # kept alive: draws into such tensors become temporaries of the record.
     replay.autograd = None
-    del pairs, reals, fakes, targets, binder
-    hand_over_generators(replay.replay_streams, device, records)
 
 
 def _dressed(targets, reals, inference, binder, retaken=()) -> list:

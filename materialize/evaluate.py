@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from deferinit.errors import DataDependentError
+from deferinit.exclusive import exclusive
 from deferinit.where import recording
 from deferinit.fake.device import exists
 from deferinit.fake.tensor import describe
@@ -36,6 +37,11 @@ def evaluate(fakes, operation: str):
         >>> w.shape, is_deferred(m.weight)
         (torch.Size([3, 2]), True)
     """
+    with exclusive():  # the graph it reads may be a finished record another thread materializes
+        return _evaluate(fakes, operation)
+
+
+def _evaluate(fakes, operation: str):
     for fake in fakes:
         if not exists(fake.device):
             raise DataDependentError(
@@ -87,11 +93,12 @@ def generator_state(stream, k: int):
         >>> _ = torch.manual_seed(0); _ = torch.rand(3); torch.equal(state, torch.get_rng_state())
         True
     """
-    rs = replay_streams([stream], DeviceMap())[id(stream)]
-    draws = list(rs.needs(k))
-    if draws:
-        Replay([], extra=draws, labels=["the generator state"]).run()
-    state = rs.state_before(k)
+    with exclusive():  # the stream may continue a finished record's, whose states replays cache
+        rs = replay_streams([stream], DeviceMap())[id(stream)]
+        draws = list(rs.needs(k))
+        if draws:
+            Replay([], extra=draws, labels=["the generator state"]).run()
+        state = rs.state_before(k)
     if state is None:
         raise DataDependentError(
             f"the state of the {stream.device} generator is needed while recording "

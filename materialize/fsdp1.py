@@ -11,7 +11,7 @@ import types
 import torch
 
 from deferinit.errors import FSDP1_FIX, FSDP1DeferredModuleError
-from deferinit.patches import SharedPatch
+from deferinit.patches import shared_patch
 from deferinit.session import is_deferred
 
 from .api import materialize_module
@@ -45,7 +45,8 @@ def _fsdp1_materialize_module(module, check_fn=None):
 
 _FSDP1_FAKE = types.SimpleNamespace(is_fake=_fsdp1_is_fake)
 _FSDP1_DEFERRED_INIT = types.SimpleNamespace(materialize_module=_fsdp1_materialize_module)
-_FSDP1_HOOKS = SharedPatch(
+_FSDP1_HOOKS = shared_patch(
+    "fsdp1 hooks", "torch.distributed.fsdp._init_utils",
     lambda: importlib.import_module("torch.distributed.fsdp._init_utils"),
     lambda module: {"_TORCHDISTX_AVAIL": True, "fake": _FSDP1_FAKE, "deferred_init": _FSDP1_DEFERRED_INIT},
 )

@@ -4,7 +4,10 @@ Deferral draws nothing, so after ``deferred_init`` every generator is where
 the constructor left it, its draws apart.  Once a materialization knows the
 state a stream ended in, that stream's generator is moved there, provided
 nothing moved it since deferral: it still holds the state recording left it
-in, or the state the record it continues ended in.  A stream's end is known
+in, or the state the record it continues ended in, and no seed or state was
+set since (not even one equal to the state it holds: eagerly that wipes out
+the draws; a state read after the deferral and set back, ``fork_rng``'s exit,
+is no reseed).  A stream's end is known
 when its last draw was replayed, or when every draw after the last one
 replayed is *dead*: a temporary (what it drew is held by no tensor any
 more: a random temporary of the constructor, a value replaced by ``.data =``)
@@ -20,13 +23,70 @@ target device is the one eager construction there would have advanced.
 
 from __future__ import annotations
 
+import traceback
+
 from deferinit.errors import MaterializationError
 from deferinit.plan import DeviceMap
-from deferinit.record import FOREIGN
-from deferinit.rng import generator_of, get_state, same_state
+from deferinit.record import FOREIGN, LINEAGE
+from deferinit.rng import generator_of, get_state, initialized_generators, same_state
+from deferinit.seeding import release_if_moot
 from deferinit.streams import replay_streams
 
 from .replay import Replay
+
+
+class HandOver:
+    """One materialization's commit and generator hand-over, all or nothing.
+
+    The work (compute, then swap in) fills ``streams`` and ``records`` and sets
+    ``committed`` last, undoing its own swaps if it does not get there.  Until
+    then, any exception puts the default generators back in the states they
+    had (a replay borrows them for operators without a ``generator``
+    argument); after it, the hand-over runs to its end even if an interrupt
+    arrives in it (it is idempotent): the module is then entirely done,
+    generators included.
+    """
+
+    def __init__(self):
+        self.saved = [(gen, get_state(gen)) for _, gen in initialized_generators()]
+        self.committed = False
+        self.streams: list = []
+        self.records: list = []
+
+    def restore(self) -> None:
+        for gen, state in self.saved:
+            if not same_state(get_state(gen), state):
+                FOREIGN.set_state(gen, state)
+
+    def run(self, device) -> None:
+        hand_over_generators(self.streams, device, self.records)
+
+
+def committed_then_handed_over(work, device) -> None:
+    """Run ``work(hand)`` (see :class:`HandOver`), then hand the generators over.
+
+    Example::
+
+        >>> def work(hand):
+        ...     hand.committed = True     # nothing to swap: a hand-over of no streams
+        >>> committed_then_handed_over(work, None)
+    """
+    hand = HandOver()
+    try:
+        work(hand)
+    except BaseException as e:
+        if not hand.committed:
+            hand.restore()
+            raise
+        # Interrupted right after the commit: the swapped-out fakes held by the
+        # finished frames go first, as on the ordinary path (see api._materialize).
+        traceback.clear_frames(e.__traceback__.tb_next)
+        hand.run(device)
+        raise
+    try: hand.run(device)  # noqa: E701 - one line: see deferinit.fake.guard
+    except BaseException:
+        hand.run(device)  # finish what the interrupt stopped (idempotent)
+        raise
 
 
 def records_of(fakes) -> list:
@@ -70,8 +130,25 @@ def hand_over_generators(streams, device=None, records=()) -> None:
             if start is not None:
                 left.append(start)
         now = get_state(gen)
-        if any(same_state(now, state) for state in left):
+        if any(same_state(now, state) for state in left) and _not_reseeded(rs):
             FOREIGN.set_state(gen, end)  # not a threads' recording's own reseed
+    for record in {id(r): r for r in (*records, *_records_of(streams))}.values():
+        release_if_moot(record)
+
+
+def _records_of(streams):
+    for rs in streams:
+        for s in rs.sources:
+            record = s.record() if s.record is not None else None
+            if record is not None:
+                yield record
+
+
+def _not_reseeded(rs) -> bool:
+    """Whether the generator's eager state still follows from the states the
+    records of ``rs`` left it in: no seed or state was set since (even one
+    equal to the state it holds; see :class:`deferinit.record.Lineage`)."""
+    return all(LINEAGE.descends(rs.key, record.lineage.get(rs.key)) for record in _records_of([rs]))
 
 
 def _finish(rs, device):

@@ -27,10 +27,10 @@ import torch
 from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 
-from .generators import hand_over_generators, records_of
+from .generators import committed_then_handed_over, records_of
 from .progress import start_progress
 from .replay import Replay
-from .swap import dress, remember_real_storages, swap_all
+from .swap import Swaps, dress
 
 
 def _dtensor_class():
@@ -128,6 +128,16 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
 
     shown = start_progress(progress, asked)
     asked = {id(f) for f in asked}
+    committed_then_handed_over(
+        lambda hand: _compute_and_swap(hand, units, streams, records, device, inference, shown, asked), device
+    )
+    return True
+
+
+def _compute_and_swap(hand, units, streams, records, device, inference, shown, asked) -> None:
+    """Every group computed, then all swapped in (see
+    :class:`~deferinit.materialize.generators.HandOver`); the fakes swapped out
+    die with this frame."""
     computed = []  # (group, reads, reals, compacted)
     try:
         for group in units:
@@ -146,31 +156,35 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
             del replay
             computed.append((group, reads, *_compact(group, reals)))
             del reals
-        _swap_in(computed, inference)
+        _swap_in(hand, computed, inference, streams, records)
     except BaseException:
         if shown is not None:
             shown.close(ok=False)
         raise
     if shown is not None:
         shown.close()
-    # The fakes swapped out are gone with `computed` (see api._materialize).
-    del computed
-    hand_over_generators(streams.values(), device, records)
-    return True
 
 
-def _swap_in(computed, inference) -> None:
-    """Swap every group's results in, all or nothing, and remember the real storages."""
+def _swap_in(hand, computed, inference, streams, records) -> None:
+    """Swap every group's results in and remember the real storages, all or nothing."""
     pairs = []
     for group, _, reals, _ in computed:
         for (_, fake), real in zip(group, reals):
             pairs.append((fake, dress(fake, real, inference)))
     storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
-    swap_all(pairs)
-    for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
-        if compacted:
-            continue  # nothing else can read that storage (see _compact)
-        remember_real_storages(reads, group_storages, [fake for _, fake in group])
+    swaps = Swaps(pairs)
+    try:
+        swaps.run()
+        for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
+            if compacted:
+                continue  # nothing else can read that storage (see _compact)
+            swaps.remember(reads, group_storages, [fake for _, fake in group])
+        hand.streams, hand.records = list(streams.values()), records
+        hand.committed = True
+    except BaseException:
+        if not hand.committed:
+            swaps.undo()
+        raise
 
 
 def groups(module, targets) -> list[list]:

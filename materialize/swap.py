@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import AutogradMaterializationError, MaterializationError
-from deferinit.fake.assign import exchange
+from deferinit.fake.assign import _hooks_follow, exchange
 from deferinit.fake.tensor import INTERNAL_ATTRS
 
 from .autograd import grad_fn_of, is_grad_view
@@ -109,17 +109,69 @@ def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
     exchange(t1, t2)
 
 
-def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Swap each ``(fake, dressed_real)`` pair; undo everything if one fails."""
-    done = []
+class Swaps:
+    """The swaps of one materialization and what they change besides, all or nothing.
+
+    Before anything is swapped, each object's class, ``__dict__`` and C++
+    tensor are noted; :meth:`undo` puts every object back by comparing what
+    it holds now with those notes, so it undoes exactly what was done,
+    whatever line an interrupt stopped at (in the middle of one exchange
+    too: its class swapped and its C++ tensor not yet).  The storages
+    remembered real (:meth:`remember`) get their earlier memory back.
+
+    Example::
+
+        >>> a, b = torch.zeros(2), torch.ones(3)
+        >>> swaps = Swaps([(a, b)])
+        >>> swaps.run(); a.shape
+        torch.Size([3])
+        >>> swaps.undo(); a.shape, b.shape
+        (torch.Size([2]), torch.Size([3]))
+    """
+
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.pairs = pairs
+        self.before = [(type(a), a.__dict__, a._cdata, type(b), b.__dict__) for a, b in pairs]
+        self.storages: list = []
+
+    def run(self) -> None:
+        """Swap each ``(fake, dressed_real)`` pair; undo everything if one fails."""
+        try:
+            for fake, real in self.pairs:
+                swap(fake, real)
+        except Exception as e:
+            self.undo()
+            raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+
+    def remember(self, reads, storages, reals) -> None:
+        """:func:`remember_real_storages`, undone by :meth:`undo`."""
+        self.storages.extend((s, s.real, s.real_head) for s in storages)
+        remember_real_storages(reads, storages, reals)
+
+    def undo(self) -> None:
+        """Put every object and storage back as before (idempotent)."""
+        for storage, real, head in reversed(self.storages):
+            storage.real, storage.real_head = real, head
+        for (a, b), (cls_a, dict_a, cdata_a, cls_b, dict_b) in zip(self.pairs, self.before):
+            if a._cdata != cdata_a:
+                torch._C._swap_tensor_impl(a, b)
+            if a.__dict__ is not dict_a:
+                a.__dict__, b.__dict__ = dict_a, dict_b
+            if type(a) is not cls_a or type(b) is not cls_b:
+                a.__class__, b.__class__ = cls_a, cls_b
+            _hooks_follow(a, b)
+
+
+def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Swaps:
+    """Swap each ``(fake, dressed_real)`` pair; undo everything if one fails.
+    Returns the :class:`Swaps`, whose ``undo`` puts them back."""
+    swaps = Swaps(pairs)
     try:
-        for fake, real in pairs:
-            swap(fake, real)
-            done.append((fake, real))
-    except Exception as e:
-        for fake, real in reversed(done):
-            swap(fake, real)
-        raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+        swaps.run()
+    except BaseException:
+        swaps.undo()
+        raise
+    return swaps
 
 
 def remember_real_storages(reads, storages, reals) -> None:

@@ -12,13 +12,14 @@ for path in (os.path.dirname(HERE), HERE):  # the packages, and tests/helpers.py
         sys.path.insert(0, path)
 
 
-# The Fake layer patches torch.Tensor (.data, set_) once, when
-# the first fake of the process is made (fake/__init__.py): make one before
-# any test, so that every test finds, and must leave, that steady state.
-# (Subprocess tests start from a process without fakes.)
+# The Fake layer patches torch.Tensor (.data, set_) while any fake is alive
+# (fake/alive.py): one fake kept for the whole session gives every test that
+# steady state to find and leave, whatever fakes a test keeps or drops.
+# tests/test_guest.py checks, in fresh processes, that torch is left alone
+# before the first fake and after the last.
 from deferinit import fake  # noqa: E402
 
-fake.FakeTensor(torch.empty(0, device="meta"), "cpu")
+_SESSION_FAKE = fake.FakeTensor(torch.empty(0, device="meta"), "cpu")
 
 
 def _global_state():
@@ -49,3 +50,19 @@ def _restores_global_state():
     before = _global_state()
     yield
     assert _global_state() == before, "a test left modes, patches, default dtype or grad mode changed"
+
+
+# Files whose tests mostly spawn processes (gloo ranks, the command line, the
+# docs' shell transcripts): about half the suite's time. CI runs the whole
+# suite on the default torch and, on a second build (a CUDA build without a
+# GPU), everything but these: `-m "not spawns and not slow"` (see .ci/run).
+SPAWNS = {
+    "test_checkpoint_dcp_distributed.py", "test_checkpoint_distributed.py", "test_distributed.py",
+    "test_cli.py", "test_cli_config.py", "test_doc_shell.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if os.path.basename(str(item.fspath)) in SPAWNS:
+            item.add_marker(pytest.mark.spawns)

@@ -415,10 +415,11 @@ def case_fsdp1_without_hooks(rank: int, world_size: int) -> dict:
     return messages
 
 
-def case_fsdp1_one_rank_without_hooks(rank: int, world_size: int) -> list:
+def case_fsdp1_one_rank_without_hooks(rank: int, world_size: int) -> tuple:
     """On one rank (NO_SHARD) FSDP1 never reads the flat parameter's memory: a
     model wrapped outside fsdp1_hooks() stays deferred, and its first forward
-    pass warns, naming fsdp1_hooks()."""
+    pass warns, naming fsdp1_hooks(); returns the warnings and the error FSDP1's
+    forward pass then meets."""
     import warnings
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -429,11 +430,12 @@ def case_fsdp1_one_rank_without_hooks(rank: int, world_size: int) -> list:
     check(is_deferred(wrapped), "FSDP1 materialized the model without fsdp1_hooks()")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        error = None
         try:
             wrapped(torch.randint(0, 11, (2, 5)))
-        except Exception:  # noqa: BLE001 - FSDP1 then fails on fakes; the warning came first
-            pass
-    return [str(w.message) for w in caught if issubclass(w.category, DeferredModuleWarning)]
+        except Exception as e:  # noqa: BLE001 - FSDP1 then fails on fakes; the warning came first
+            error = f"{type(e).__name__}: {e}"
+    return [str(w.message) for w in caught if issubclass(w.category, DeferredModuleWarning)], error
 
 
 # -- transformers Llama ------------------------------------------------------------------

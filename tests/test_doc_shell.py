@@ -238,16 +238,18 @@ def _page_files(cwd) -> dict:
 def _environment(cwd, extra: dict) -> dict:
     bin_dir = cwd / ".bin"
     bin_dir.mkdir(exist_ok=True)
-    script = bin_dir / "deferinit"
-    script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m deferinit "$@"\n')
-    script.chmod(0o755)
-    for name in ("python", "python3"):
-        if not (bin_dir / name).exists():
-            (bin_dir / name).symlink_to(sys.executable)
+    # Scripts, not symlinks: a symlink to the venv's python, called from
+    # elsewhere, finds no pyvenv.cfg beside it and starts the base interpreter
+    # without the venv's site-packages (nor the editable install that maps
+    # deferinit.fake and deferinit.materialize to their folders).
+    commands = {"deferinit": "-m deferinit ", "python": "", "python3": ""}
+    for name, args in commands.items():
+        script = bin_dir / name
+        script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {args}"$@"\n')
+        script.chmod(0o755)
     env = dict(os.environ)
     env.update(extra)
     env["PATH"] = str(bin_dir) + os.pathsep + env.get("PATH", "")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="ignore")
     env.pop("DEFERINIT_PROGRESS", None)
     return env

@@ -430,6 +430,41 @@ def test_data_access_on_deferred_fake_without_value():
         copy.copy(m.weight)
 
 
+def test_saving_a_deferred_model_says_materialize_first(tmp_path):
+    """safetensors' save_file and transformers' save_pretrained ask a deferred model's
+    tensors for their memory (a typed storage, an address): the message says why
+    that fails and to materialize first, and the fix saves eager's values."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=1, vocab_size=64)
+    torch.manual_seed(0)
+    llama = deferred_init(LlamaForCausalLM, config)
+    linear = deferred_init(nn.Linear, 4, 3)
+    for save in (lambda: save_file(linear.state_dict(), tmp_path / "l.safetensors"),
+                 lambda: llama.save_pretrained(tmp_path / "llama")):
+        with pytest.raises(FakeDataAccessError) as info:
+            save()
+        message = str(info.value)
+        assert "Saving a tensor (safetensors' save_file, save_pretrained, torch.save) needs its bytes" in message
+        assert "Materialize it first (materialize_module(model)" in message
+        assert "deprecated" not in message
+    with fake_mode():
+        plain = torch.empty(3)
+    with pytest.raises(FakeDataAccessError, match="A fake from fake_mode has no values to save"):
+        save_file({"t": plain}, tmp_path / "p.safetensors")
+    materialize_module(llama)
+    llama.save_pretrained(tmp_path / "llama")
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(config)
+    saved = load_file(tmp_path / "llama" / "model.safetensors")
+    assert len(saved) >= 8
+    for name, t in eager.state_dict().items():
+        if name in saved:
+            assert torch.equal(saved[name], t), name
+
+
 def test_writing_fake_data_into_real_tensor():
     outside = torch.zeros(3)
 

@@ -112,7 +112,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", type=int, metavar="N", help="shard with FSDP2 over N ranks (fake process group) and show one rank")
     p.add_argument("--rank", type=int, metavar="R", help="the rank shown with --shard (default 0)")
     p.add_argument("--optimizer", default="adamw", metavar="NAME",
-                   help="a torch.optim optimizer by name (adamw, adam, sgd, adafactor...; any case) or module:Class; "
+                   help="a torch.optim optimizer by name (adamw, adam, sgd, rmsprop...; any case) or module:Class; "
                         "default adamw (lr 1e-4; sgd: momentum 0.9)")
     p.add_argument("--optimizer-arg", action="append", metavar="NAME=VALUE",
                    help="an argument of the optimizer, a Python literal, e.g. lr=3e-4 or betas=(0.9,0.95); repeatable")

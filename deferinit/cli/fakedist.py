@@ -14,22 +14,32 @@ import contextlib
 
 import torch
 
+from deferinit.fake.patch import shared_patch
+
 from .errors import UsageError
 
+
 class _Stream(torch.cpu.Stream):
-    """A CUDA stream that orders nothing (CPU's)."""
+    """A CUDA stream that orders nothing (CPU's), with the identity FSDP2 hands
+    its stream ops (torch 2.15's ``fsdp::record_grad_output_stream``)."""
+
+    stream_id = 0
+    device_index = 0
+    device_type = 1  # c10::DeviceType::CUDA
 
 
 class _Event(torch.cpu.Event):
     """A CUDA event that waits for nothing (CPU's)."""
 
 
+_CURRENT = _Stream()
+
 # What FSDP2 calls on torch.cuda (through DeviceMesh's device handle), as new
 # objects: torch.compile's tables must not see one function under two names.
 _CUDA_RUNTIME = {
     "Stream": _Stream,
     "Event": _Event,
-    "current_stream": lambda device=None: torch.cpu.current_stream(),
+    "current_stream": lambda device=None: _CURRENT,
     "stream": lambda stream: torch.cpu.stream(stream),
     "current_device": lambda: 0,
 }
@@ -42,14 +52,12 @@ def cuda_runtime_on_cpu():
     if torch.cuda.is_available():
         yield
         return
-    saved = {name: getattr(torch.cuda, name) for name in _CUDA_RUNTIME}
-    for name, value in _CUDA_RUNTIME.items():
-        setattr(torch.cuda, name, value)
-    try:
+    with _CUDA_ON_CPU.held():
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(torch.cuda, name, value)
+
+
+# Listed in deferinit.fake.replaced ("cli cuda runtime").
+_CUDA_ON_CPU = shared_patch("cli cuda runtime", "torch.cuda", lambda: torch.cuda, lambda _: dict(_CUDA_RUNTIME))
 
 
 @contextlib.contextmanager

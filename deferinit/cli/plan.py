@@ -168,16 +168,27 @@ def _check_outputs(opts) -> None:
             raise UsageError(f"{what} {path!r}: no such directory {folder}")
 
 
-def _check_recipe(model, recipe: Recipe) -> None:
-    """What the recipe cannot do to this model, as usage errors (before planning)."""
+def _check_recipe(model, recipe: Recipe, opts, built: str) -> None:
+    """What the recipe cannot do to this model, as usage errors (before planning);
+    ``built`` is :func:`~deferinit.cli.targets.build`'s text of the dtype used and why."""
     if recipe.mixed_precision is not None:
         try:
             check_master_weights(model, recipe.mixed_precision)
         except ValueError as e:
-            raise UsageError(f"--mixed-precision: {e} (drop --dtype)") from None
+            raise UsageError(f"--mixed-precision: {e} ({_float32_build(opts, built)})") from None
     if recipe.checkpointing and not getattr(model, "supports_gradient_checkpointing", False) and not blocks(model):
         raise UsageError(f"--checkpointing checkpoints each block of an nn.ModuleList, and "
                          f"{type(model).__name__} has none")
+
+
+def _float32_build(opts, built: str) -> str:
+    """How to build in float32, by where the low dtype came from."""
+    if opts.dtype:
+        return f"pass --dtype float32 instead of --dtype {opts.dtype}"
+    if "--dtype overrides it" in built:  # the config's dtype (targets.build says so)
+        return f"pass --dtype float32, which overrides {built.partition('(')[2].partition(';')[0]}"
+    return ("pass --dtype float32 (the default dtype while building); parameters the model's code makes in a "
+            "fixed dtype stay so: plan those without --mixed-precision")
 
 
 def plan(opts, out) -> int:
@@ -197,7 +208,7 @@ def plan(opts, out) -> int:
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"{call} returned a {type(model).__name__}, not an nn.Module; plan needs a module")
     device = _device(model, opts.device)
-    _check_recipe(model, recipe)
+    _check_recipe(model, recipe, opts, dtype)
     rank = opts.rank or 0
     timeline = Timeline() if (opts.memory_timeline or opts.memory_snapshot) else None
     t0 = time.perf_counter()

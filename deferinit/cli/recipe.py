@@ -6,7 +6,9 @@ Each is applied the way people apply it to a real model, with PyTorch's
 would allocate:
 
 * **optimizer**: any ``torch.optim`` class by name (``adamw``, ``sgd``,
-  ``adafactor``...) or ``module:Class``, with keyword arguments;
+  ``rmsprop``...) or ``module:Class``, with keyword arguments, whose step
+  computes on tensors (one that reads values, as Adafactor does, cannot
+  step on fakes);
   ``foreach`` defaults to what PyTorch picks for real tensors on the device
   (the fakes' type would otherwise make it pick the for-loop);
 * **mixed precision** with fp32 master weights: the parameters stay as

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
+import os
 import threading
 
 import torch
@@ -34,6 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from deferinit.cli.foreach import ChunkedForeach
 from deferinit.cli.trackers import Flops, Tracker, fsdp_tracker, local_tensor
 from deferinit.fake.device import backend_device
+from deferinit.fake.errors import FakeDataAccessError
 
 #: What each of PyTorch's memory categories counts, in the report's words.
 LABELS = {
@@ -156,13 +159,46 @@ def _measure(model, args, kwargs, optimizer, token_ids, sharded, accumulate, aut
             del loss
         modules.append(dict(tracker.memory_tracking.items()))
         _stage(timeline, "optimizer step", 0, 1)
-        optimizer.step()
+        with _step_reads_no_values(optimizer):
+            optimizer.step()
         _stage(timeline, "zero_grad", 0, 1)
         optimizer.zero_grad()
         after = _named(tracker.get_tracker_snapshot())
     tracker.timeline = None  # the step is over: later frees (the caller's objects dying) are not part of it
     peak = _named(tracker.get_tracker_snapshot("peak"))
     return Measured(peak, counter.get_total_flops(), tracker, counter, forward, after, modules, timeline)
+
+
+@contextlib.contextmanager
+def _step_reads_no_values(optimizer):
+    """An optimizer whose step reads a value (``p.norm(2).item()``) cannot run on
+    fakes: say so, where, and what plans instead (not "materialize first",
+    which a planned step cannot do)."""
+    try:
+        yield
+    except FakeDataAccessError as e:
+        cls = type(optimizer)
+        step = inspect.unwrap(getattr(cls, "step", None) or (lambda: None))
+        where = _frame_in(e.__traceback__, getattr(getattr(step, "__code__", None), "co_filename", None))
+        raise FakeDataAccessError(
+            e.operation, e.tensor_desc,
+            f"{cls.__name__}.step() reads it as a Python number{where}, and in a planned step the parameters, "
+            "gradients and optimizer state are fakes: shapes without values. Planning cannot run this optimizer's "
+            "step; plan with one whose step computes on tensors only (--optimizer adamw, adam, sgd...). AdamW, "
+            "which keeps two moments the size of each parameter, bounds the state of an optimizer keeping less.",
+        ) from None
+
+
+def _frame_in(tb, path) -> str:
+    """`` (at file:line)`` of the innermost frame of ``tb`` in file ``path``, or ``""``."""
+    found = ""
+    while tb is not None and path:
+        code = tb.tb_frame.f_code
+        if code.co_filename == path:
+            name = os.path.join(*path.split(os.sep)[-3:]) if "site-packages" in path else path
+            found = f" (at {name}:{tb.tb_lineno})"
+        tb = tb.tb_next
+    return found
 
 
 def _stage(timeline, name: str, micro: int, count: int) -> None:

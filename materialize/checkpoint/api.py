@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Mapping
 
+import torch
+
 from deferinit.errors import CheckpointError
+from deferinit.exclusive import exclusive
+from deferinit.fake.guard import Entry
 
 from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
@@ -44,7 +46,8 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     tensors are loaded within the call, all or nothing: every read succeeds
     before anything is written.  An inference tensor is refused outside
     ``torch.inference_mode()``, as ``load_state_dict`` refuses it.  On an
-    error, no tensor of the module changed.
+    error, no tensor of the module changed.  A call while another thread
+    materializes the module waits for it, then loads into what is real.
 
     Example::
 
@@ -60,6 +63,16 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"load_checkpoint() expects an nn.Module, got {type(module).__name__}")
+    with exclusive():  # deferred or real is decided once no other thread is materializing
+        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+        try:
+            return _load(module, source, strict=strict, prefix=prefix, rename=rename)
+        except BaseException:
+            entry.restore()
+            raise
+
+
+def _load(module, source, *, strict, prefix, rename) -> LoadResult:
     entries, what = open_source(source)
     mapped = map_keys(entries, prefix=prefix, rename=rename)
     metadata = map_metadata(getattr(source, "_metadata", None) if isinstance(source, Mapping) else None, prefix=prefix, rename=rename)
@@ -82,7 +95,10 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
         )
         loader.finish()
     except BaseException:
-        loader.undo()
-        state.restore()
+        if loader.committing is not None:
+            loader.roll_forward()  # interrupted while writing: entirely done
+        else:
+            loader.undo()
+            state.restore()
         raise
     return result

@@ -126,6 +126,7 @@ class Load:
         self.entry = entry
         self.staged = None
         self.backup = None
+        self.committed = False
         self.head = None
         self.node = None
 
@@ -169,6 +170,8 @@ class Load:
     def commit(self, keep_old: bool = False) -> None:
         """Write the staged values into the real tensor (``keep_old``: so that
         :meth:`undo` can put the old ones back)."""
+        if self.committed:
+            return  # written already (a roll forward after an interrupt, see Loader.roll_forward)
         target = self.target
         counted = not target.is_inference()
         before = target._version if counted else None
@@ -180,6 +183,7 @@ class Load:
                 self.staged = None
             else:
                 target.copy_(self.entry.source.view(self.entry))
+        self.committed = True
         if counted and target._version == before:
             # Written inside the walk's dispatch mode, below the layer that
             # counts versions: count it as eager's copy_ does.
@@ -198,6 +202,7 @@ class Loader:
     def __init__(self):
         self.pending: dict = {}
         self.done: list = []
+        self.committing = None  # the loads finish() writes, once every read succeeded
         self._guarded: set = set()
         # Loads copied from tensors in memory, by the memory they read (see
         # source_written): real ones still pending, deferred ones kept by reference.
@@ -208,8 +213,8 @@ class Loader:
         if isinstance(load.entry.source, MemorySource):
             self._readers.setdefault(load.entry.source.memory_key(), []).append(load)
         if load.deferred:
+            self.done.append(load)  # first: undo takes back a record an interrupt cut short
             load.record()
-            self.done.append(load)
             return
         self.pending.setdefault(self._group(load), []).append(load)
 
@@ -231,9 +236,10 @@ class Loader:
     def _write_now(self, loads) -> None:
         for load in loads:
             load.stage()
-            self._snapshot_readers(storage_key(load.target))
+            self.done.append(load)  # first: undo takes back a write an interrupt cut short
+            if not load.committed:
+                self._snapshot_readers(storage_key(load.target))
             load.commit(keep_old=True)
-            self.done.append(load)
 
     def _snapshot_readers(self, key) -> None:
         """The deferred loads that read the memory ``key`` names, read now: it is
@@ -270,11 +276,24 @@ class Loader:
         loads = [load for i, load in enumerate(loads) if last[id(load.target)] == i]
         for load in loads:
             load.stage()
-        for load in loads:
-            self._snapshot_readers(storage_key(load.target))
-            load.commit()
+        # Every read succeeded: from here on the call is written through, also
+        # when an interrupt arrives in the writes (roll_forward).
+        self.committing = loads
+        self._write_all()
+
+    def _write_all(self) -> None:
+        for load in self.committing:
+            if not load.committed:
+                self._snapshot_readers(storage_key(load.target))
+                load.commit()
         self.pending.clear()
-        self.done.extend(loads)
+        seen = {id(d) for d in self.done}
+        self.done.extend(load for load in self.committing if id(load) not in seen)
+
+    def roll_forward(self) -> None:
+        """An interrupt while :meth:`finish` wrote: write the rest (every value is
+        staged already), so that the call is entirely done."""
+        self._write_all()
 
     def undo(self) -> None:
         for load in reversed(self.done):

@@ -191,11 +191,14 @@ def prefix_hint(missing, unexpected, module_names: set, checkpoint_names: set, p
     """
     if not missing:
         return ""
-    added = Counter()  # the checkpoint has "p" + a module key
+    heads = set()  # the checkpoint has "p" + a module key
     for key in unexpected:
         for p in _heads(key):
             if key[len(p):] in module_names:
-                added[p] += 1
+                heads.add(p)
+    # Counted over the missing keys, not the checkpoint's: a key loaded another
+    # way (a tie's other name, an unprefixed copy) is not missing.
+    added = Counter({p: sum(p + key in checkpoint_names for key in missing) for p in heads})
     removed = Counter()  # the module has "p" + a checkpoint key
     for key in missing:
         for p in _heads(key):

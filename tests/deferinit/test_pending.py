@@ -366,13 +366,13 @@ def test_a_deferral_retired_by_another_thread_as_it_closes_releases_what_it_hold
         torch.manual_seed(1)
         torch.rand(2)
 
-    def acquire():  # A, closing its deferral: B seeds and draws now
+    def acquire(holder=None):  # A, closing its deferral: B seeds and draws now
         if not calls:
             calls.append(threading.Thread(target=reseed_and_draw))
             calls[0].start()
             calls[0].join(1)  # B waits for A's record to be held (or retires it now)
             counts.append(patch.users)
-        real_acquire()
+        return real_acquire(holder)
 
     monkeypatch.setattr(patch, "acquire", acquire)
     with deferred():

@@ -28,6 +28,10 @@ from deferinit.demo import Llama, LLAMA_TINY
 def tiny(device=None, dtype=None):
     return Llama(LLAMA_TINY, device=device, dtype=dtype)
 
+def tiny_bf16(device=None):
+    import torch
+    return Llama(LLAMA_TINY, device=device, dtype=torch.bfloat16)  # whatever --dtype says
+
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -53,9 +57,19 @@ def cells(out: str, label: str) -> list[str]:
     raise AssertionError(f"no row {label!r} in:\n{out}")
 
 
+# A transformers config saved in bfloat16, as most checkpoints' configs are.
+BF16_CONFIG = (
+    '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, '
+    '"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256, '
+    '"max_position_embeddings": 128, "torch_dtype": "bfloat16"}'
+)
+
+
 @pytest.fixture()
 def targets(tmp_path):
     (tmp_path / "targets.py").write_text(TARGETS)
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "bf16" / "config.json").write_text(BF16_CONFIG)
     return tmp_path
 
 
@@ -185,7 +199,13 @@ def test_plan_of_a_transformers_training_config(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["targets.py:tiny", "--batch", "2x3", "--dtype", "bfloat16", "--mixed-precision", "bf16"],
      "--mixed-precision: mixed precision (bfloat16 compute) keeps float32 master weights, and the model has "
-     "bfloat16 parameters: build it in float32 (drop --dtype)"),
+     "bfloat16 parameters: build it in float32 (pass --dtype float32 instead of --dtype bfloat16)"),
+    # No --dtype: the config's dtype made it bfloat16, and "drop --dtype" would be no advice.
+    (["transformers:LlamaForCausalLM", "--config", "bf16", "--batch", "1x8", "--mixed-precision", "bf16"],
+     "bfloat16 parameters: build it in float32 (pass --dtype float32, which overrides the config's torch_dtype)"),
+    (["targets.py:tiny_bf16", "--batch", "2x3", "--mixed-precision", "bf16"],
+     "bfloat16 parameters: build it in float32 (pass --dtype float32 (the default dtype while building); "
+     "parameters the model's code makes in a fixed dtype stay so: plan those without --mixed-precision)"),
     (["targets.py:tiny", "--batch", "2x3", "--mixed-precision", "int8"], "--mixed-precision 'int8': expected bf16 or fp16"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer", "adamz"], "--optimizer adamz: no optimizer 'adamz' in torch.optim"),
     (["targets.py:tiny", "--batch", "2x3", "--optimizer-arg", "lr"], "--optimizer-arg expects name=value"),

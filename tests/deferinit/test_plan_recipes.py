@@ -15,6 +15,8 @@ with ``use_cache=False``, whose masking code checks position ids made with
 
 import contextlib
 
+import re
+
 import pytest
 import torch
 
@@ -213,11 +215,17 @@ def test_the_optimizer_and_its_arguments(name, args, build):
 
 def test_an_optimizer_that_reads_parameter_values_cannot_be_planned():
     """Adafactor scales its step by each parameter's norm, read with .item(): the values
-    of a deferred model are unknown, and the error says what was read."""
+    of a deferred model are unknown, and the error says what read it, where, and
+    which optimizers plan instead (not "materialize the tensor first", which a
+    planned step cannot do)."""
     from deferinit.fake import FakeDataAccessError
 
-    with pytest.raises(FakeDataAccessError, match=r"item\(\) needs the data of a fake tensor"):
+    with pytest.raises(FakeDataAccessError) as e:
         planned_step(demo_llama, Recipe(optimizer="adafactor", foreach=False))
+    message = str(e.value)
+    assert re.search(r"item\(\) needs the data of a fake tensor .*Adafactor\.step\(\) reads it as a Python number "
+                     r"\(at torch/optim/_adafactor\.py:\d+\).*--optimizer adamw", message), message
+    assert "materialize" not in message
 
 
 def test_mixed_precision_keeps_fp32_masters_and_refuses_a_low_precision_build():

@@ -191,7 +191,8 @@ def test_fake_mode_data_into_a_deferred_tensor_names_where_it_came_from():
     with pytest.raises(MixedFakeError) as info:
         model.head.bias.data = plain
     message = str(info.value)
-    assert "was computed inside fake_mode" in message and "Do this outside fake_mode" in message
+    assert "the new data is a fake made by fake_mode" in message and "Assign a real tensor" in message
+    assert "outside fake_mode" not in message  # it is done outside fake_mode already
     assert "inside deferred_init got" not in message  # no deferred_init is running
 
 

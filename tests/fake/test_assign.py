@@ -378,10 +378,10 @@ def test_a_parameter_class_with_slots_is_refused_with_our_error():
     assert not is_fake(p) and type(p) is Slotted and torch.equal(p, torch.zeros(2))
 
 
-def test_torch_is_left_alone_until_the_first_fake():
+def test_torch_is_left_alone_until_the_first_fake_and_after_the_last():
     """Importing the packages changes nothing in torch.Tensor (a process that
     never makes a fake runs PyTorch's own .data and set_); the first fake
-    installs them."""
+    installs them, the last one gone takes them away."""
     out = isolated("""
     import pickle
     names = ("data", "set_")
@@ -396,6 +396,11 @@ def test_torch_is_left_alone_until_the_first_fake():
     q = nn.Parameter(torch.zeros(4))
     q.data = m.weight
     assert is_deferred(q)
+    del m, q
+    import gc
+    gc.collect()
+    # The last fake gone: PyTorch's own again.
+    assert not any(n in vars(torch.Tensor) for n in names), [n for n in names if n in vars(torch.Tensor)]
     print("ok")
     """)
     assert "ok" in out

@@ -190,3 +190,32 @@ def test_state_dict_tensor_modified_in_place(ckpt):
     with pytest.raises(CheckpointReadError, match="'1.bias' was modified in place since load_checkpoint.*pass a clone"):
         materialize_module(m)
     _check_untouched(m, state)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_the_prefix_hint_counts_missing_keys_only():
+    """A checkpoint of 'model.' + every key, plus an unprefixed copy of a tied
+    weight: the tie then loads and is not missing, and the hint counts the
+    missing keys it explains (6 of the 6), not the checkpoint's prefixed keys
+    (it said "8 of the 6")."""
+    torch.manual_seed(0)
+    eager = _Tied()
+    sd = {"model." + k: v for k, v in eager.state_dict().items()}
+    sd["head.weight"] = eager.head.weight.detach()
+    m = deferred_init(_Tied)
+    with pytest.raises(CheckpointMismatchError) as info:
+        load_checkpoint(m, sd)
+    message = str(info.value)
+    assert "6 missing keys" in message
+    assert "(6 of the 6 missing keys are in it as 'model.' + key): pass prefix='model.'" in message, message
+    assert load_checkpoint(m, sd, prefix="model.") == ([], [])
+    materialize_module(m)
+    assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), m.state_dict().values()))

@@ -118,10 +118,15 @@ def test_fsdp1_without_hooks_names_fsdp1_hooks():
 
 
 def test_fsdp1_on_one_rank_without_hooks_warns_naming_fsdp1_hooks():
-    (messages,) = run_ranks(workers.case_fsdp1_one_rank_without_hooks, 1)
+    ((messages, error),) = run_ranks(workers.case_fsdp1_one_rank_without_hooks, 1)
     assert len(messages) == 1, messages
     assert messages[0].startswith("FullyShardedDataParallel (FSDP1) wraps a module that is still deferred")
     assert "with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn" in messages[0]
+    # The error that follows says the same, not "Do this outside fake_mode" (no fake_mode was entered).
+    assert error.startswith("MixedFakeError: tensor.data = "), error
+    assert "was computed during a forward pass of FullyShardedDataParallel, which is still deferred" in error
+    assert "with fsdp1_hooks(): model = FSDP(model, param_init_fn=param_init_fn" in error
+    assert "fake_mode" not in error, error
 
 
 # -- the harness never hangs ---------------------------------------------------------------

@@ -104,7 +104,7 @@ def test_generator_state_after_complete_materialization_is_eagers():
     torch.manual_seed(1)
     m = deferred_init(nn.Transformer, 16, 2, 1, 1, 32)
     materialize_tensor(m.encoder.layers[0].linear1.weight)  # early draws only: left alone
-    assert torch.equal(torch.get_rng_state(), torch.manual_seed(1).get_state())
+    assert torch.equal(torch.get_rng_state(), torch.Generator().manual_seed(1).get_state())  # no reseed: one would count
     materialize_module(m)  # complete, and nothing drew since deferral
     assert torch.equal(torch.randn(5), eager_next)
 
@@ -153,3 +153,21 @@ def test_two_models_recorded_then_materialized_in_any_order():
     materialize_module(a)
     assert_same_tensors(eager_a, a)
     assert_same_tensors(eager_b, b)
+
+
+@pytest.mark.parametrize("cls", [nn.LSTM, nn.GRU, nn.RNN])
+def test_recurrent_modules_recorded_for_cuda_equal_eager_on_cpu(cls):
+    # On a CUDA build without a GPU, cuDNN accepts any tensor reporting cuda
+    # and nn.LSTM's flatten_parameters asks the fakes for data_ptr(); fake
+    # CUDA must behave as on the CPU build (fake/cudnn.py).
+    enabled = torch.backends.cudnn.enabled
+    torch.manual_seed(0)
+    eager = cls(6, 8, num_layers=2, bidirectional=True)
+    after_eager = torch.rand(4)
+    torch.manual_seed(0)
+    m = deferred_init(cls, 6, 8, num_layers=2, bidirectional=True, device="cuda")
+    assert m.weight_ih_l0.device.type == "cuda"
+    materialize_module(m, device="cpu")
+    assert_same_tensors(eager, m)
+    assert torch.equal(torch.rand(4), after_eager)
+    assert torch.backends.cudnn.enabled == enabled

@@ -77,7 +77,11 @@ def _raised(fn):
 def test_rejected_while_recording_with_eagers_error(name):
     fn = REJECTED[name]
     eager = _raised(fn)
-    assert eager is not None, "the case must be rejected eagerly"
+    if eager is None:
+        # This torch accepts it (2.15 saturates clamp_'s out-of-range int8
+        # bound): accepted as eagerly, values included.
+        _check_accepted(fn)
+        return
 
     class Catches(nn.Module):
         def __init__(self):
@@ -126,10 +130,14 @@ ACCEPTED = {
 
 @pytest.mark.parametrize("name", list(ACCEPTED))
 def test_accepted_as_eagerly(name):
+    _check_accepted(ACCEPTED[name])
+
+
+def _check_accepted(fn):
     class Accepts(nn.Module):
         def __init__(self):
             super().__init__()
-            self.register_buffer("b", ACCEPTED[name]().contiguous())
+            self.register_buffer("b", fn().contiguous())
             self.w = nn.Parameter(torch.randn(3))
 
     check_exact(Accepts)

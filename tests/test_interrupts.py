@@ -1,0 +1,382 @@
+"""Ctrl-C at any point: all or nothing (issue 26, item 2).
+
+A ``KeyboardInterrupt`` (or any ``BaseException``: ``SystemExit``, a signal
+handler's exception) arriving anywhere in ``deferred_init``, ``deferred()``,
+``materialize_module``, ``materialize_tensor`` or ``load_checkpoint`` leaves
+the module entirely as it was or entirely done (values, views of
+parameters, Parameter classes, the generators handed over), and torch's
+mode stacks, patches, default device, dtype and grad mode as they were.
+
+Two ways of arriving, as Ctrl-C does:
+
+* a trace function (``sys.settrace``) raises at the k-th line the
+  project's own files execute, for k spread over every line a call runs
+  (``DEFERINIT_INTERRUPTS=long``: every line);
+* a real SIGINT at a random time within the call (``signal.setitimer``),
+  delivered by the operating system to Python's own handler.
+
+Each trial ends checked against eager construction (values, aliasing,
+classes, what the generators draw next) and against a snapshot of torch
+(tests/torch_snapshot.py).  docs/testing.md gives the profiles.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+import torch_snapshot
+from deferinit import deferred, deferred_init, is_deferred
+from deferinit.fake.patch import all_patches
+from deferinit.materialize import load_checkpoint, materialize_module, materialize_tensor
+from deferinit.rng import seeded_state
+from helpers import assert_same_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROJECT = tuple(os.path.join(ROOT, d) + os.sep for d in ("fake", "deferinit", "materialize"))
+PROFILE = os.environ.get("DEFERINIT_INTERRUPTS")  # None: run the trials in a process of their own
+LONG = PROFILE == "long"
+LINE_TRIALS = None if LONG else 60  # per scenario; None: every line
+SIGNAL_TRIALS = 400 if LONG else 40
+
+EXPLICIT = torch.Generator()
+
+
+class Net(nn.Module):
+    """Draws from the default generator (Linear's init, trunc_normal_, a temporary)
+    and an explicit one, and holds a buffer that is a view of a parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.register_buffer("row", self.a.weight.data[1])
+        self.b = nn.Linear(4, 3)
+        nn.init.trunc_normal_(self.b.weight, std=0.5)
+        self.c = nn.Parameter(torch.empty(3).normal_(generator=EXPLICIT))
+        _ = torch.rand(2)
+
+
+def _seed():
+    _reference()  # eager's, built first: it moves the generators
+    torch.manual_seed(0)
+    EXPLICIT.manual_seed(1)
+
+
+def _eager():
+    torch.manual_seed(0)
+    EXPLICIT.manual_seed(1)
+    net = Net()
+    return net, torch.rand(8), torch.rand(8, generator=EXPLICIT)
+
+
+EAGER = None
+
+
+def _reference():
+    global EAGER
+    if EAGER is None:
+        EAGER = _eager()
+    return EAGER
+
+
+def _assert_like_eager(m):
+    eager, after, explicit_after = _reference()
+    assert_same_tensors(eager, m)
+    assert m.row.untyped_storage().data_ptr() == m.a.weight.untyped_storage().data_ptr(), "row no longer views a.weight"
+    assert torch.equal(m.row, m.a.weight[1])
+    assert torch.equal(torch.rand(8), after), "the default generator differs from eager's"
+    assert torch.equal(torch.rand(8, generator=EXPLICIT), explicit_after), "the explicit generator differs"
+
+
+def _all_or_nothing(m) -> bool:
+    """Whether ``m`` is entirely deferred (True) or entirely real (False)."""
+    held = [t for t in (*m.parameters(), *m.buffers())]
+    deferred_now = [is_deferred(t) for t in held]
+    assert all(deferred_now) or not any(deferred_now), f"half materialized: {deferred_now}"
+    return deferred_now[0]
+
+
+# -- scenarios: setup() -> state; act(state); check(state, interrupted) ----------------
+
+
+class Deferral:
+    name = "deferred_init"
+
+    def setup(self):
+        _seed()
+        return {}
+
+    def act(self, state):
+        state["m"] = deferred_init(Net)
+
+    def check(self, state, interrupted):
+        if "m" not in state:
+            # Nothing was built: the generators are as they were.
+            assert torch.equal(torch.get_rng_state(), seeded_state("cpu", 0))
+            assert torch.equal(EXPLICIT.get_state(), torch.Generator().manual_seed(1).get_state())
+            state["m"] = deferred_init(Net)
+        materialize_module(state["m"])
+        _assert_like_eager(state["m"])
+
+
+class Block(Deferral):
+    name = "with deferred()"
+
+    def act(self, state):
+        with deferred():
+            m = Net()
+        state["m"] = m
+
+
+class Materialization:
+    name = "materialize_module"
+
+    def setup(self):
+        _seed()
+        return {"m": deferred_init(Net)}
+
+    def act(self, state):
+        materialize_module(state["m"])
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        if _all_or_nothing(m):
+            materialize_module(m)
+        _assert_like_eager(m)
+
+
+class TensorByTensor(Materialization):
+    name = "materialize_tensor"
+
+    def act(self, state):
+        materialize_tensor(state["m"].a.weight)
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        assert is_deferred(m.row) == is_deferred(m.a.weight) or not is_deferred(m.a.weight)
+        materialize_module(m)
+        _assert_like_eager(m)
+
+
+class Load(Materialization):
+    name = "load_checkpoint"
+    LOADED = {"a.weight": torch.full((4, 4), 2.0), "b.bias": torch.full((3,), 3.0)}
+
+    def act(self, state):
+        load_checkpoint(state["m"], self.LOADED, strict=False)
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        materialize_module(m)
+        eager = _reference()[0]
+        loaded = [torch.equal(m.a.weight, self.LOADED["a.weight"]), torch.equal(m.b.bias, self.LOADED["b.bias"])]
+        assert all(loaded) or not any(loaded), f"half loaded: {loaded}"
+        if not any(loaded):
+            _assert_like_eager(m)
+        else:
+            for name in ("b.weight", "c"):
+                assert torch.equal(m.get_parameter(name), eager.get_parameter(name)), name
+            assert m.row.untyped_storage().data_ptr() == m.a.weight.untyped_storage().data_ptr()
+
+
+SCENARIOS = [Deferral(), Block(), Materialization(), TensorByTensor(), Load()]
+
+
+# -- the two ways an interrupt arrives ------------------------------------------------
+
+
+# The trials run in a process of their own: interrupted calls can still leave
+# damage that shows only later in the same process (see the test below).
+trials = pytest.mark.skipif(PROFILE is None, reason="run by test_the_trials_in_a_process_of_their_own")
+
+
+@pytest.mark.skipif(PROFILE is not None, reason="this is that process")
+@pytest.mark.timeout(1500)
+def test_the_trials_in_a_process_of_their_own():
+    """The CI profile in a fresh interpreter.  Known gap (issue 26 item 2, not
+    closed): after these trials, later tests of the same process (tests/
+    test_threads.py, test_state.py) can fail: an interrupted call leaves
+    something that is undone late (a suspended generator-based context
+    manager cleaned up by the collector at a random later point is the
+    suspect), so each trial ends whole but the process is not."""
+    import subprocess
+
+    env = dict(os.environ, DEFERINIT_INTERRUPTS="ci")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200,
+    )
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+class _AtLine:
+    """A trace function raising KeyboardInterrupt at the k-th line of the project's files."""
+
+    def __init__(self, k):
+        self.k = k
+        self.count = 0
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename.startswith(PROJECT):
+            return self._line
+        return None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.k:
+                sys.settrace(None)
+                raise KeyboardInterrupt(f"at line {self.k}: {frame.f_code.co_filename}:{frame.f_lineno}")
+        return self._line
+
+
+def _run_traced(scenario, state, k):
+    tracer = _AtLine(k)
+    interrupted = False
+    sys.settrace(tracer)
+    try:
+        scenario.act(state)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        sys.settrace(None)
+    return interrupted, tracer.count
+
+
+def _run_signalled(scenario, state, delay):
+    previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    interrupted = False
+    try:
+        try:
+            signal.setitimer(signal.ITIMER_REAL, delay)
+            scenario.act(state)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        time.sleep(0.002)  # a SIGINT already sent is delivered here at the latest
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    return interrupted
+
+
+def _trial(scenario, run):
+    before = torch_snapshot.take()
+    state = scenario.setup()
+    interrupted = run(state)
+    found = torch_snapshot.differences(before, torch_snapshot.take())
+    found = _without_inert_modes(found)
+    strict = [d for d in found if len(d) == 3]
+    assert not strict, f"{scenario.name}: the thread's modes or defaults changed: {strict}"
+    assert not torch_snapshot.unlisted(found), f"{scenario.name}: unlisted changes {torch_snapshot.unlisted(found)}"
+    for patch in all_patches():
+        assert patch.installed() == bool(patch.users), f"{scenario.name}: {patch.key} on {patch.owner} half done"
+    scenario.check(state, interrupted)
+    return interrupted
+
+
+def _without_inert_modes(found):
+    """A known residue, checked to be harmless and then removed: a SIGINT inside
+    torch's own ``_pop_mode_temporarily`` (torch.overrides, a contextlib
+    generator) leaves it suspended, and collecting it later pushes our
+    function mode back after the guard put the stack right.  The mode is
+    closed, and inert: every call runs as without it (checked here)."""
+    from deferinit.fake.mode import FakeFunctionMode
+
+    stack = torch.overrides._get_current_function_mode_stack()
+    stray = [m for m in stack if isinstance(m, FakeFunctionMode)]
+    if not stray:
+        return found
+    assert all(m.closed for m in stray), "a live fake function mode was left on the stack"
+    assert not isinstance(torch.ones(1), torch.Tensor) or type(torch.ones(1)) is torch.Tensor
+    while torch._C._len_torch_function_stack():
+        top = torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1)
+        if not isinstance(top, FakeFunctionMode):
+            break
+        torch._C._pop_torch_function_stack()
+    INERT.append(len(stray))
+    return [d for d in found if not (len(d) == 3 and d[0] == "function modes")]
+
+
+INERT: list = []
+
+
+def _lines_of(scenario) -> int:
+    """How many lines of the project's files the call runs (warm: its second run;
+    the first fills caches once per process)."""
+    for _ in range(2):
+        state = scenario.setup()
+        _, count = _run_traced(scenario, state, k=0)
+        scenario.check(state, False)
+        del state
+    return count
+
+
+@pytest.fixture(autouse=True)
+def _no_pending_warnings(recwarn):
+    yield
+
+
+@trials
+@pytest.mark.timeout(0 if LONG else 600)  # the long profile runs for tens of minutes
+@pytest.mark.filterwarnings("ignore::deferinit.PendingDrawsWarning")
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_an_interrupt_at_any_line(scenario):
+    n = _lines_of(scenario)
+    assert n > 50, n
+    ks = range(1, n + 1) if LINE_TRIALS is None else sorted({1 + (i * (n - 1)) // (LINE_TRIALS - 1) for i in range(LINE_TRIALS)})
+    interrupted = sum(_trial(scenario, lambda state, k=k: _run_traced(scenario, state, k)[0]) for k in ks)
+    # Every trial ended whole (checked in _trial); nearly all were interrupted (a
+    # run may take a line or two fewer than the one counted: finalizers, caches).
+    assert interrupted >= len(ks) - 2, (interrupted, len(ks))
+
+
+@trials
+@pytest.mark.timeout(0 if LONG else 600)
+@pytest.mark.filterwarnings("ignore::deferinit.PendingDrawsWarning")
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_a_real_sigint_at_a_random_time(scenario):
+    times = []
+    for _ in range(3):  # warm: the first run fills caches once per process
+        state = scenario.setup()
+        start = time.perf_counter()
+        scenario.act(state)
+        times.append(time.perf_counter() - start)
+        scenario.check(state, False)
+        del state
+    took = min(times)
+    rng = random.Random(26)
+    interrupted = sum(
+        _trial(scenario, lambda state: _run_signalled(scenario, state, max(1e-5, rng.uniform(0, took))))
+        for _ in range(SIGNAL_TRIALS)
+    )
+    assert interrupted >= SIGNAL_TRIALS // 4, f"only {interrupted} of {SIGNAL_TRIALS} trials were interrupted"
+
+
+def test_the_trace_interrupt_reaches_the_projects_lines_and_would_be_noticed():
+    """The harness can fail: an interrupt inside a patch's install without the
+    settle that finishes it leaves a listed patch half installed, which the
+    trial's consistency check reports."""
+    from deferinit.patches import TRUNC_NORMAL
+
+    holder = object()
+    TRUNC_NORMAL._holders.add(holder)  # as if acquire were interrupted before its settle
+    try:
+        assert TRUNC_NORMAL.installed() != bool(TRUNC_NORMAL.users)
+    finally:
+        TRUNC_NORMAL._holders.discard(holder)
+    tracer = _AtLine(1)
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            deferred_init(nn.Linear, 2, 2)
+    finally:
+        sys.settrace(None)
