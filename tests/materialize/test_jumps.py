@@ -181,3 +181,46 @@ def test_corpora_fallbacks_are_the_documented_ones(name):
     assert torch.equal(torch.rand(4), eager_next)
     generated = set(FALLBACKS - before)
     assert generated <= documented_fallbacks(), generated
+
+
+# -- reseeds after deferral (deferinit.record.Lineage) ----------------------------
+
+
+class Layers(nn.Module):
+    """A big normal_ draw (over the 4M words drawing pays for: jumped), then six small layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(2500, 2000)  # 5M normal samples
+        self.layers = nn.ModuleList(nn.Linear(32, 32) for _ in range(6))
+
+
+RESEEDS = {
+    "manual_seed(1)": lambda: torch.manual_seed(1),
+    "manual_seed(0), the seed before": lambda: torch.manual_seed(0),
+    "set_rng_state(another state)": lambda: torch.set_rng_state(torch.Generator().manual_seed(7).get_state()),
+}
+
+
+@pytest.mark.filterwarnings("ignore::deferinit.PendingDrawsWarning")
+@pytest.mark.parametrize("reseed", list(RESEEDS))
+def test_a_reseed_after_deferral_then_one_layer_equals_eager(reseed):
+    """The replay jumps from the record's own states, the hand-over follows the
+    generator's lineage: one layer after a reseed is eager's layer (its earlier
+    draws jumped over, not drawn), the generator stays where the reseed put it,
+    and the rest materialized later is eager's too."""
+    torch.manual_seed(0)
+    eager = Layers()
+    RESEEDS[reseed]()
+    eager_next = torch.rand(8)
+
+    torch.manual_seed(0)
+    m = deferred_init(Layers)
+    RESEEDS[reseed]()
+    ran = random_kernels(lambda: materialize_module(m.layers[4]))
+    assert_same_tensors(eager.layers[4], m.layers[4])
+    # Only layer 4's own draws ran: the embedding's 5M samples and the other layers were jumped over.
+    assert ran and all(math.prod(s) <= 32 * 32 for _, s in ran), ran
+    materialize_module(m)
+    assert_same_tensors(eager, m)
+    assert torch.equal(torch.rand(8), eager_next), f"after {reseed}, the generator differs from eager's"
