@@ -201,3 +201,22 @@ def load_parts(node, value, region, found):
             return None
         parts.append(part)
     return parts
+
+
+def drawn_part(value, region, found):
+    """``(lo, hi)``: the elements of a random fill of contiguous ``value`` that the
+    demands ``found`` meet (the hull of their bytes), or None when that is all
+    of it (a shard's rows of a parameter drawn whole eagerly: the replay
+    draws only those where the kernel allows, see :mod:`deferinit.jumps`)."""
+    if not found or not region.dense or any(r.covers(region) for r, _ in found):
+        return None
+    if not contiguous(value.size, value.stride):
+        return None
+    lo = max(region.lo, min(r.lo for r, _ in found))
+    hi = min(region.hi, max(r.hi for r, _ in found))
+    size = value.dtype.itemsize
+    first, last = (lo - region.lo) // size, -(-(hi - region.lo) // size)
+    numel = (region.hi - region.lo) // size
+    if first <= 0 and last >= numel or last <= first:
+        return None
+    return first, last

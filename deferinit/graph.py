@@ -77,6 +77,10 @@ class Node:
     # Weak reference to the storage a random node writes or makes: a draw
     # whose storage nobody holds any more was a temporary.
     rng_target = None
+    # ``(sizes, strides, dtype)`` of the tensor a random factory makes (an
+    # in-place draw's is its written input's): how many words it draws
+    # depends on it (deferinit.consumption).
+    filled = None
     # True for a draw whose values only checkpoint loads overwrite (set by
     # the liveness pass): the generators do not wait for it.
     hidden_by_load = False

@@ -51,9 +51,11 @@ from __future__ import annotations
 import torch
 
 from .effects import (
-    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, is_load, is_view,
-    load_parts, overwrites, root_value,
+    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, drawn_part, is_load,
+    is_view, load_parts, overwrites, root_value,
 )
+from deferinit.fake.opinfo import op_info
+
 from .graph import Input, version_seq
 from .regions import Region
 
@@ -65,6 +67,15 @@ GENERATOR = "generator"  # only for the state it leaves the generator in
 DIRECT = "direct"  # a copy_ that reads a checkpoint straight into its destination
 
 _HUGE = 1 << 62
+
+_VIEW_OPS: dict = {}  # id(op) -> whether it makes a view (OpOverload's hash is Python code)
+
+
+def _is_view_op(op) -> bool:
+    found = _VIEW_OPS.get(id(op))
+    if found is None:
+        found = _VIEW_OPS[id(op)] = op_info(op).view_arg is not None
+    return found
 
 
 class Liveness:
@@ -78,10 +89,11 @@ class Liveness:
     serves later reads of its other views.
     """
 
-    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure):
-        # The plan's real_read and closure (passed in: the plan imports this module).
+    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, draws_before):
+        # The plan's real_read, closure and draws_before (passed in: the plan imports this module).
         self._real_read = real_read
         self._full_closure = closure
+        self._draws_before = draws_before
         self.targets = targets
         self.universe = universe
         self.streams = streams
@@ -127,11 +139,19 @@ class Liveness:
         scratches: dict = {}
         loads: dict = {}
         directs: dict = {}
+        parts: dict = {}
         live: dict = {}
         objects: dict = {}  # id(node) -> {index: value}: tensors whose object is needed
         pending: dict = {}  # storage key -> [(region, floor seq)]
         forced: dict = {}  # id(node) -> node: whole history of unanalysed reads
         keys: dict = {}
+        regions: dict = {}
+
+        def region_of(value):
+            r = regions.get(id(value), False)
+            if r is False:
+                r = regions[id(value)] = Region.of(value)
+            return r
 
         def key_of(value):
             k = keys.get(id(value))
@@ -160,7 +180,7 @@ class Liveness:
                 need(inp)
                 floor = -1
             if region is None:
-                region = Region.of(value)
+                region = region_of(value)
                 if region is None:
                     return
             k = key_of(value)
@@ -171,7 +191,7 @@ class Liveness:
 
         def demanded(value, seq):
             """The demands on ``value``'s storage, at ``seq``, that its bytes meet."""
-            region = Region.of(value)
+            region = region_of(value)
             k = key_of(value)
             if region is None or k is None:
                 return region, k, []
@@ -194,7 +214,7 @@ class Liveness:
             region = None
             if not real_read(inp):
                 root = root_value(inp.value)
-                region = Region.of(root) if root is not None else Region.interval(0, _HUGE)
+                region = region_of(root) if root is not None else Region.interval(0, _HUGE)
                 if region is not None and root is not None and root.offset != 0:
                     region = Region.interval(0, _HUGE)
             demand(inp, region)
@@ -203,7 +223,7 @@ class Liveness:
             nid = id(node)
             outs = objects.get(nid)
             seq = node.seq
-            if is_view(node):
+            if node.kind == "op" and not node.writes and _is_view_op(node.target):
                 if outs or nid in forced:
                     live[nid] = node
                     for x in node.flat:
@@ -262,9 +282,13 @@ class Liveness:
                     if node.kind == "load":
                         loads[nid] = load_parts(node, w.value, region, found)
                     elif mode == DIRECT:
-                        parts = direct_parts(w.value, region, found)
-                        if parts is not None:
-                            directs[nid] = (*directs[nid], parts)
+                        found_parts = direct_parts(w.value, region, found)
+                        if found_parts is not None:
+                            directs[nid] = (*directs[nid], found_parts)
+                    elif node.rng is not None and nid not in forced:
+                        part = drawn_part(w.value, region, found)
+                        if part is not None:
+                            parts[nid] = part
                     kill(k, region, seq)
                 else:
                     demand(w)
@@ -296,25 +320,22 @@ class Liveness:
 
         return {
             "live": live, "modes": modes, "alloc": allocs, "scratch": scratches, "loads": loads,
-            "direct": directs, "order": sorted(live.values(), key=lambda n: n.seq),
+            "direct": directs, "parts": parts, "order": sorted(live.values(), key=lambda n: n.seq),
         }
 
     # -- random draws needed only for the generator -----------------------------
 
     def _draws_needed(self) -> set:
         """Draws whose state a drawing node needs and that the scan left out."""
+        drawing = [
+            node for node in self.order
+            if node.rng is not None and self.modes.get(id(node)) != ALLOC and node.rng[0]() is not None
+        ]
         new = set()
-        for node in self.order:
-            if node.rng is None or self.modes.get(id(node)) == ALLOC:
-                continue
-            stream = node.rng[0]()
-            rs = self.streams.get(id(stream)) if stream is not None else None
-            if rs is None:
-                continue
-            for earlier in rs.needs(rs.index[id(node)]):
-                nid = id(earlier)
-                if nid not in self.live or self.modes.get(nid) == ALLOC:
-                    new.add(nid)
+        for earlier in self._draws_before(drawing, self.streams):
+            nid = id(earlier)
+            if nid not in self.live or self.modes.get(nid) == ALLOC:
+                new.add(nid)
         return new
 
     # -- modes ------------------------------------------------------------------

@@ -144,12 +144,7 @@ class Plan:
                     seen.setdefault(id(stream), stream)
             self.streams = replay_streams(list(seen.values()), self.device_map)
             before = len(needed)
-            draws = []
-            for node in list(needed.values()):
-                if node.rng is not None:
-                    rs = self.streams[id(node.rng[0]())]
-                    draws.extend(rs.needs(rs.index[id(node)]))
-            closure((), draws, needed)
+            closure((), draws_before(needed.values(), self.streams), needed)
             if len(needed) == before:
                 break
         for node in needed.values():
@@ -163,7 +158,8 @@ class Plan:
         # -- dead-work elimination: of everything the reads could need, what
         # their values and the live draws' generator states really depend on.
         self.liveness = Liveness(
-            self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure
+            self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure,
+            draws_before=draws_before,
         )
         self.order = self.liveness.order
 
@@ -180,6 +176,21 @@ class Plan:
     @property
     def replay_streams(self) -> list[ReplayStream]:
         return list({id(rs): rs for rs in self.streams.values()}.values())
+
+
+def draws_before(nodes, streams: dict) -> list:
+    """The draws to replay so that the state before each random node of ``nodes``
+    is known (see :meth:`ReplayStream.needs_all`), each once."""
+    by_stream: dict = {}
+    for node in nodes:
+        if node.rng is not None:
+            rs = streams.get(id(node.rng[0]()))
+            if rs is not None:
+                by_stream.setdefault(id(rs), (rs, []))[1].append(rs.index[id(node)])
+    found = []
+    for rs, ks in by_stream.values():
+        found.extend(rs.needs_all(ks))
+    return found
 
 
 def read_of(fake) -> Input:

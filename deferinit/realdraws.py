@@ -10,8 +10,8 @@ generator would give other numbers, and move the generator under the
 record's feet.  Instead the draw happens at once, on the real tensor, from
 a private generator put in the state eager would have at that point
 (computed as for ``get_rng_state`` inside a constructor: the draws recorded
-before it are replayed into scratch memory), and it joins the generator's
-stream as a draw whose resulting state is known.  So the real tensor holds
+before it are jumped over, or replayed into scratch memory), and it joins
+the generator's stream as a draw whose resulting state is known.  So the real tensor holds
 eager's values as soon as ``deferred_init`` returns, the deferred draws
 after it continue from where it left the generator, and materializing the
 deferred model leaves the generator where eager construction leaves it.

@@ -153,6 +153,9 @@ class Recorder(FakeHandler):
             target = written[0] if written else call.fresh[0][1] if call.fresh else None
             device = target.device if target is not None else call.device
             storage = target.__dict__.get("_storage") if isinstance(target, FakeTensor) else None
+            if not written and isinstance(target, FakeTensor):
+                value = target._value
+                node.filled = (value.size, tuple(value.stride), value.dtype)
             record.add_random(node, stream_key(kwargs, device), storage)
         return call.out
 

@@ -31,22 +31,32 @@ class Region:
     __slots__ = ("offset", "sizes", "strides", "itemsize", "lo", "hi", "dense")
 
     def __init__(self, offset: int, sizes, strides, itemsize: int):
-        dims = [(n, s) for n, s in zip(sizes, strides) if n != 1]
+        sizes_, strides_ = [], []
+        extent = 0
+        for n, s in zip(sizes, strides):
+            if n != 1:
+                sizes_.append(n)
+                strides_.append(s)
+                extent += (n - 1) * s
         self.offset = offset
-        self.sizes = tuple(n for n, _ in dims)
-        self.strides = tuple(s for _, s in dims)
+        self.sizes = tuple(sizes_)
+        self.strides = tuple(strides_)
         self.itemsize = itemsize
         self.lo = offset
-        self.hi = offset + sum((n - 1) * s for n, s in dims) + itemsize
+        self.hi = offset + extent + itemsize
         # Dense: no byte addressed twice, no gap (sorted by stride, each
-        # stride is the extent of the dimensions inside it).
+        # stride is the extent of the dimensions inside it).  Row-major
+        # geometry, the usual one, is checked without sorting.
         expected = itemsize
         dense = True
-        for n, s in sorted(dims, key=lambda d: d[1]):
-            if s != expected:
+        order = range(len(sizes_) - 1, -1, -1)
+        if any(strides_[i] > strides_[i - 1] for i in range(1, len(strides_))):
+            order = sorted(range(len(sizes_)), key=strides_.__getitem__)
+        for i in order:
+            if strides_[i] != expected:
                 dense = False
                 break
-            expected *= n
+            expected *= sizes_[i]
         self.dense = dense
 
     @classmethod

@@ -72,6 +72,40 @@ class ReplayStream:
             k -= 1
             yield stream.nodes[k]
 
+    def needs_all(self, ks) -> list:
+        """The draws to replay so that the states right before every draw in ``ks``
+        are known, each once: walks from a position already walked stop there,
+        so the cost is the number of draws walked, not ``len(ks)`` times it."""
+        seen: set = set()
+        out = []
+        for k in sorted(set(ks), reverse=True):
+            stream = self
+            while True:
+                at = (id(stream), k)
+                if at in seen:
+                    break
+                seen.add(at)
+                event = stream.events.get(k)
+                if event is not None:
+                    if event[1] != SAME:
+                        break
+                    d = event[2]
+                    if d in stream.post:
+                        break
+                    out.append(stream.nodes[d])
+                    k = d
+                    continue
+                if k == 0:
+                    if stream.prev is None:
+                        break
+                    stream, k = stream.prev, len(stream.prev.nodes)
+                    continue
+                if (k - 1) in stream.post:
+                    break
+                k -= 1
+                out.append(stream.nodes[k])
+        return out
+
     def state_before(self, k: int) -> torch.Tensor | None:
         """The exact state right before draw ``k`` (None: not known, or the start of a
         stream recorded where its generator could not be read)."""

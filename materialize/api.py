@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 
 import torch
 
@@ -74,10 +75,14 @@ def _materialize_tensor(tensor, device, inference) -> None:
     if not targets:
         return
     entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+    collecting = gc.isenabled()
     try:
-        _materialize(targets, device=device, inference=inference, progress=False, wrappers=wrappers)
+        _collector_paused(_materialize, targets, device=device, inference=inference, progress=False,
+                          wrappers=wrappers)
     except BaseException:
         entry.restore()
+        if collecting:
+            gc.enable()
         raise
 
 
@@ -139,19 +144,26 @@ def _materialize_module(module, buffers_only, check_fn, device, inference, progr
     slots = _script_slots(module)
     if targets:
         entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
+        collecting = gc.isenabled()
         try:
-            if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
-                                       counted=counted, wrappers=wrappers):
-                _materialize(targets, device=device, inference=inference, progress=progress,
-                             kept_deferred=left, counted=counted, wrappers=wrappers)
+            _collector_paused(_replay_module, module, targets, left, counted, wrappers, device, inference, progress)
         except BaseException:
             entry.restore()
+            if collecting:
+                gc.enable()
             raise
     for script_module, name, tensor in slots:
         if not is_fake(tensor):
             # The Python object is real now; TorchScript's C++ slot still
             # holds the tensor that was swapped out of it.
             script_module._c.setattr(name, tensor)
+
+
+def _replay_module(module, targets, left, counted, wrappers, device, inference, progress) -> None:
+    if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
+                               counted=counted, wrappers=wrappers):
+        _materialize(targets, device=device, inference=inference, progress=progress,
+                     kept_deferred=left, counted=counted, wrappers=wrappers)
 
 
 def _script_slots(module) -> list:
@@ -166,6 +178,29 @@ def _script_slots(module) -> list:
                 if t is not None and is_deferred_fake(t):
                     found.append((sub, name, t))
     return found
+
+
+def _collector_paused(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with Python's cyclic garbage collector paused.
+
+    A replay makes a few objects per recorded node that live until it ends,
+    so in a record of many small tensors the collector runs full passes over
+    every object of the process, the whole record included, again and again
+    (40% of materializing 50,000 small parameters).  The record holds no
+    reference cycles and a replay makes none, so the pause collects nothing
+    later that it would have collected now; it is lifted when the replay ends,
+    and left alone if something else paused the collector.  (A function, not
+    a generator-based context manager: an interrupted generator is closed by
+    the collector at some later time; the callers' undo re-enables it if an
+    interrupt lands between the pause and the ``try``.)
+    """
+    if not gc.isenabled():
+        return fn(*args, **kwargs)
+    gc.disable()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        gc.enable()
 
 
 def _module_targets(module, buffers_only, check_fn):
@@ -268,6 +303,8 @@ def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, count
         if shown is not None:
             replay.progress = shown.replay_callback(replay, [f if id(f) in counted else None for f in fakes])
         reals = with_fresh_graphs(replay.run(), fresh, len(reads))
+        if shown is not None:
+            shown.draws_done(replay.draw_stats)
         records = records_of(fakes)
         storages = [fake._storage for fake in fakes]
         tokens = [leaf_token(fake) for fake in fakes]

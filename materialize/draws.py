@@ -10,16 +10,26 @@ exception: they draw from the device's default generator, whose state is
 put back when the replay ends.  :mod:`deferinit.materialize.generators` decides
 afterwards whether a real generator is moved to where eager construction
 left it.
+
+On a CPU generator, a draw replayed only for the state it leaves is not
+drawn: the generator jumps over it (:mod:`deferinit.jumps`), and a draw of
+which the replay needs only a part (a shard's rows) draws only that part,
+when the kernel's count and layout are known exactly
+(:mod:`deferinit.consumption`); other draws are generated, as on CUDA,
+whose Philox generator is not jumped.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deferinit.consumption import fallback
 from deferinit.errors import DeviceUnavailableError
+from deferinit.fake.bypass import no_python_dispatch
+from deferinit.jumps import Cursor, checked, draw_part
 from deferinit.realdraws import with_generator
 from deferinit.record import FOREIGN
-from deferinit.rng import default_generator, generator_of, get_state, scratch_generator, set_state
+from deferinit.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
 
 
 class Draws:
@@ -35,23 +45,84 @@ class Draws:
     def __init__(self, streams: dict):
         self.streams = streams
         self._borrowed: dict = {}
+        # id(replay stream) -> [Cursor, index of the last draw skipped and not learned yet]
+        self._cursors: dict = {}
+        # Draws moved past only for the generator: jumped over (and their
+        # words), or generated because their count is not known.
+        self.stats = {"jumped": 0, "jumped_words": 0, "generated": 0}
+        # (id(replay stream), draw) whose exact state after is looked up later
+        # (an older state put back, a stream another continues): learned at once.
+        self._looked_up = set()
+        for rs in {id(rs): rs for rs in streams.values()}.values():
+            for event in rs.events.values():
+                if event[1] == SAME:
+                    self._looked_up.add((id(rs), event[2]))
+            if rs.prev is not None and rs.prev.nodes:
+                self._looked_up.add((id(rs.prev), len(rs.prev.nodes) - 1))
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        for gen, state in self._borrowed.values():
-            FOREIGN.set_state(gen, state)
-        self._borrowed.clear()
+    def __exit__(self, exc_type, *exc):
+        try:
+            if exc_type is None:
+                with no_python_dispatch():
+                    for rs_id in list(self._cursors):
+                        self._learn(self._rs_of[rs_id])
+        finally:
+            for gen, state in self._borrowed.values():
+                FOREIGN.set_state(gen, state)
+            self._borrowed.clear()
 
-    def call(self, node, args, kwargs):
-        """Run random ``node`` with its arguments, from the state eager drew it from."""
+    @property
+    def _rs_of(self) -> dict:
+        return {id(rs): rs for rs in self.streams.values()}
+
+    def skip(self, node) -> bool:
+        """Move the generator of random ``node`` past it without drawing (a draw
+        replayed only for the state it leaves); False, having done nothing,
+        when that cannot be done exactly here: the caller draws it."""
+        rs = self.streams[id(node.rng[0]())]
+        cursor = self._cursor(rs, node)
+        if cursor is None:
+            return False
+        c = checked(node)
+        if c is None:
+            fallback(node)
+            self.stats["generated"] += 1
+            return False
+        index = rs.index[id(node)]
+        self._start(rs, cursor, index)
+        cursor.skip(c)
+        self.stats["jumped"] += 1
+        self.stats["jumped_words"] += c.words + 2 * c.normals
+        self._passed(rs, index)
+        return True
+
+    def _passed(self, rs, index) -> None:
+        """The cursor of ``rs`` stands after draw ``index``, paid or not."""
+        self._cursors[id(rs)][1] = index
+        if (id(rs), index) in self._looked_up:
+            self._learn(rs)
+
+    def call(self, node, args, kwargs, part=None):
+        """Run random ``node`` with its arguments, from the state eager drew it from;
+        ``part=(lo, hi)``: only those elements of the tensor it fills in place
+        are needed (the others are left as they are, where the kernel allows)."""
         rs = self.streams[id(node.rng[0]())]
         index = rs.index[id(node)]
         gen = self._generator(rs)
-        state = rs.state_before(index)
-        if state is not None:
-            set_state(gen, state)
+        cursor = self._cursor(rs, node)
+        if cursor is not None:
+            self._start(rs, cursor, index)
+            if part is not None and self._call_part(rs, cursor, node, index, args, kwargs, part):
+                return args[0]
+            if cursor.owed or cursor.drop_normal:
+                self._learn(rs)
+        else:
+            state = rs.state_before(index)
+            if state is not None:
+                set_state(gen, state)
         target, kwargs, takes = with_generator(node, kwargs, gen)
         if takes:
             out = target(*args, **kwargs)
@@ -62,8 +133,63 @@ class Draws:
             FOREIGN.set_state(real, get_state(gen))  # seen by no recording thread as its own
             out = target(*args, **kwargs)
             set_state(gen, get_state(real))
-        rs.learn(index, get_state(gen))
+        if cursor is not None:
+            # Cached when a later lookup or the replay's end asks (a state is
+            # 5 KB: one per draw would cost a model of small tensors dearly).
+            self._passed(rs, index)
+        else:
+            rs.learn(index, get_state(gen))
         return out
+
+    def _call_part(self, rs, cursor, node, index, args, kwargs, part) -> bool:
+        c = checked(node)
+        if c is None or c.layout is None or node.writes != (0,) or not args:
+            return False
+        out = args[0]
+        if not out.is_contiguous():
+            return False
+        target, kwargs, takes = with_generator(node, kwargs, cursor.generator)
+        if not takes:
+            return False
+        rest = args[1:]
+        if not draw_part(cursor, c, out.view(-1), part[0], part[1], lambda view: target(view, *rest, **kwargs)):
+            return False
+        self._passed(rs, index)
+        return True
+
+    def _start(self, rs, cursor, index) -> None:
+        """The cursor stands right before draw ``index`` (from a known state, or
+        after the draw before it)."""
+        state = rs.state_before(index)
+        if state is not None:
+            cursor.reset(state)
+            self._cursors[id(rs)][1] = None
+
+    def _learn(self, rs) -> None:
+        """Pay what the cursor of ``rs`` owes, and cache the state after the last draw skipped."""
+        entry = self._cursors.get(id(rs))
+        if entry is None:
+            return
+        cursor, last = entry
+        if last is None and not cursor.owed and not cursor.drop_normal:
+            return
+        state = cursor.settle()
+        if last is not None:
+            rs.learn(last, state)
+            entry[1] = None
+
+    def _cursor(self, rs, node):
+        """The cursor of ``rs`` when its generator is a CPU one (MT19937), else None."""
+        entry = self._cursors.get(id(rs))
+        if entry is not None:
+            return entry[0]
+        if rs.device.type != "cpu":
+            return None
+        gen = self._generator(rs)
+        if gen.device.type != "cpu":
+            return None
+        self._cursors[id(rs)] = [Cursor(gen), None]
+        return self._cursors[id(rs)][0]
 
     def _generator(self, rs) -> torch.Generator:
         if rs.generator is None:

@@ -81,9 +81,9 @@ def _closure_bytes(replay: Replay) -> int:
 
 def generator_state(stream, k: int):
     """The exact state of ``stream``'s generator right before its draw ``k``: the
-    draws since the nearest known state are replayed into scratch memory (on
-    private generators: nothing anyone can see changes), and every state
-    passed is remembered by the record.
+    draws since the nearest known state are jumped over on CPU, replayed into
+    scratch memory otherwise (on private generators: nothing anyone can see
+    changes), and the state reached is remembered by the record.
 
     Example::
 

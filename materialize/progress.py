@@ -4,11 +4,17 @@ Shown whenever it is asked for (``progress=True`` or ``DEFERINIT_PROGRESS=1``),
 on a terminal or not: Jupyter, SLURM and piped logs get it too.  A tensor is
 done when the replay has run the last operation it needs, so the counts are
 the user's tensors and bytes, not the replayed operations (whose costs
-differ by orders of magnitude).  The display is refreshed by time: often on
-a terminal or in Jupyter, every ``LOG_INTERVAL`` seconds in a log, where
-every refresh stays in the file (a log also keeps the bar's last state).
-At the end one line stays:
-``deferinit: materialized 148 tensors (2.6 GiB) in 27.1 s``.
+differ by orders of magnitude).  Before a part of a model can be computed,
+the random generator must reach the state eager construction had there:
+while the replay moves past earlier draws (jumped over, or generated where
+their word counts are not known), the display says so and how many are
+left.  The display is refreshed by time: often on a terminal or in
+Jupyter, every ``LOG_INTERVAL`` seconds in a log, where every refresh stays
+in the file (a log also keeps the bar's last state).  At the end one line
+stays: ``deferinit: materialized 148 tensors (2.6 GiB) in 27.1 s``, and when
+the replay moved past earlier draws, what it took:
+``...; the generator jumped over 1,203 earlier draws (29.7 GiB of random
+numbers), 3 generated``.
 
 tqdm draws the bar; without tqdm, plain lines are printed instead, and a
 note says once that installing tqdm gives a bar.
@@ -20,6 +26,7 @@ import os
 import sys
 import time
 
+from deferinit.liveness import GENERATOR
 from deferinit.text import fmt_bytes, fmt_seconds, plural
 
 # Seconds between two refreshes of the display.
@@ -66,6 +73,12 @@ class Progress:
         self.total_bytes = sum(_nbytes(f) for f in fakes)
         self.tensors = 0
         self.bytes = 0
+        # Earlier draws the replays move past only for the generator's state.
+        self.earlier = 0
+        self.earlier_total = 0
+        self.jumped = 0  # draws jumped over
+        self.jumped_words = 0
+        self.generated = 0  # draws generated into scratch instead (count not known)
         self.start = time.monotonic()
         self.interactive = _interactive(self.file)
         self.interval = TTY_INTERVAL if self.interactive else LOG_INTERVAL
@@ -95,12 +108,17 @@ class Progress:
         )
 
     def _tensors_text(self) -> str:
-        return f"{self.tensors}/{self.total_tensors} tensors"
+        return f"{self.tensors}/{self.total_tensors} tensors{self._earlier_text()}"
+
+    def _earlier_text(self) -> str:
+        if self.earlier >= self.earlier_total:
+            return ""
+        return f", reaching the generator's state: {self.earlier}/{self.earlier_total} earlier draws"
 
     def _line(self) -> None:
         print(
             f"deferinit: materializing {plural(self.total_tensors, 'tensor')} "
-            f"({fmt_bytes(self.total_bytes)}): {self.tensors} done ({fmt_bytes(self.bytes)}) "
+            f"({fmt_bytes(self.total_bytes)}): {self.tensors} done ({fmt_bytes(self.bytes)}){self._earlier_text()} "
             f"after {fmt_seconds(time.monotonic() - self.start)}",
             file=self.file, flush=True,
         )
@@ -130,6 +148,8 @@ class Progress:
         operation its value needs has run."""
         finishing: dict[int, list] = {}
         at = {id(node): i for i, node in enumerate(replay.order)}
+        earlier = {i for i, node in enumerate(replay.order) if node.rng is not None and replay.mode(node) == GENERATOR}
+        self.earlier_total += len(earlier)
         for inp, fake in zip(replay.targets, fakes):
             if fake is None:  # computed along, not counted
                 continue
@@ -142,6 +162,8 @@ class Progress:
             self.advance(*ready)
 
         def callback(done: int, total: int) -> None:
+            if done - 1 in earlier:
+                self.earlier += 1
             entry = finishing.get(done - 1)
             if entry is not None:
                 self.advance(*entry)
@@ -149,6 +171,24 @@ class Progress:
                 self.tick()
 
         return callback
+
+    def draws_done(self, stats: dict) -> None:
+        """A replay ended: count the earlier draws it jumped over or generated
+        (``stats`` as :class:`deferinit.materialize.draws.Draws` keeps them)."""
+        self.jumped += stats.get("jumped", 0)
+        self.jumped_words += stats.get("jumped_words", 0)
+        self.generated += stats.get("generated", 0)
+
+    def _draws_text(self) -> str:
+        if not self.jumped and not self.generated:
+            return ""
+        parts = []
+        if self.jumped:
+            parts.append(f"jumped over {plural(self.jumped, 'earlier draw')} "
+                         f"({fmt_bytes(4 * self.jumped_words)} of random numbers)")
+        if self.generated:
+            parts.append(f"{self.generated} generated" if self.jumped else f"generated {plural(self.generated, 'earlier draw')}")
+        return "; the generator " + ", ".join(parts)
 
     def close(self, ok: bool = True) -> None:
         """End the display; leave one line: the summary, or where a failure stopped it."""
@@ -159,7 +199,7 @@ class Progress:
             self._bar.close()
         if ok:
             text = (f"deferinit: materialized {plural(self.total_tensors, 'tensor')} "
-                    f"({fmt_bytes(self.total_bytes)}) in {fmt_seconds(seconds)}")
+                    f"({fmt_bytes(self.total_bytes)}) in {fmt_seconds(seconds)}{self._draws_text()}")
         else:
             text = (f"deferinit: materialization stopped after {fmt_seconds(seconds)}, "
                     f"{self.tensors} of {self.total_tensors} tensors computed; nothing was changed")

@@ -4,8 +4,9 @@ In the spirit of ``torch.fx.Interpreter``: one loop over the planned nodes
 in recorded order (:class:`deferinit.plan.Plan` chose them), one
 ``_run_node`` where values are computed, each value freed at its last use.
 Random nodes draw from the state their generator had eagerly, on private
-generators (:mod:`deferinit.materialize.draws`); every state passed is cached on the
-record, so any order of requests costs at most one extra pass.
+generators (:mod:`deferinit.materialize.draws`; draws needed only for that
+state are jumped over on CPU); the states later replays look up are cached
+on the record, so any order of requests costs at most one extra pass.
 
 Everything runs below autograd (``no_grad``, or ``inference_mode`` on request),
 except, when ``autograd=`` is given, the calls autograd recorded eagerly:
@@ -21,7 +22,7 @@ import torch
 
 from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError, MaterializationError, ReplayError
 from deferinit.graph import Input, Node
-from deferinit.liveness import RUN
+from deferinit.liveness import GENERATOR, RUN
 from deferinit.plan import Plan, real_read, read_of
 from deferinit.fake.device import exists
 from deferinit.fake.bypass import no_python_dispatch
@@ -65,6 +66,7 @@ class Replay(GradCalls, Plan):
         self.autograd = autograd
         self.labels = labels or [None] * len(targets)
         self.progress = progress
+        self.draw_stats: dict = {}
         # Eager's autograd graphs go through computations whose values later
         # writes overwrite (a load into a buffer computed from parameters
         # keeps the computation's grad_fn): with graphs to rebuild, nothing
@@ -141,6 +143,7 @@ class Replay(GradCalls, Plan):
                             env.pop(key, None)
                 if self.progress is not None:
                     self.progress(done + 1, total)
+            self.draw_stats = draws.stats
             if binder is not None:
                 binder.advance(float("inf"))
             results = [self._resolve(inp, env, real_views) for inp in self.targets]
@@ -155,6 +158,8 @@ class Replay(GradCalls, Plan):
 
     def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
         mode = self.mode(node)
+        if mode == GENERATOR and node.rng is not None and draws.skip(node):
+            return  # jumped over: nothing drawn
         if (mode != RUN or node.kind == "load") and run_marked(self, node, mode, env, real_views, wanted):
             return
         # Draws replayed only for the generator write into scratch memory.
@@ -213,7 +218,8 @@ class Replay(GradCalls, Plan):
         elif in_place:
             out = in_place_variant(node.target)(*a, **k)
         else:
-            out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+            part = self.liveness.parts.get(id(node)) if self.liveness is not None and node.rng is not None else None
+            out = draws.call(node, a, k, part) if node.rng is not None else node.target(*a, **k)
 
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]

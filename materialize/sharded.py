@@ -156,6 +156,8 @@ def _compute_and_swap(hand, units, streams, records, device, inference, shown, a
             if shown is not None:
                 replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
             reals = replay.run()
+            if shown is not None:
+                shown.draws_done(replay.draw_stats)
             for rs in replay.replay_streams:
                 earlier = streams.get(id(rs.post))
                 if earlier is not None:

@@ -76,9 +76,11 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             # A parameter written in place under grad mode (``p.set_(q)``):
             # eagerly the same Parameter object, now with a grad_fn.
             obj.__class__ = cls
-    else:
+    elif torch.is_inference_mode_enabled():
         with torch.inference_mode(False):
             obj = _leaf(cls, real, fake.requires_grad and floating)
+    else:  # the common case, without the context manager's cost (a model of many small tensors)
+        obj = _leaf(cls, real, fake.requires_grad and floating)
     for key, value in d.items():
         if key not in INTERNAL_ATTRS:
             obj.__dict__[key] = value

@@ -10,6 +10,16 @@ from deferinit import deferred_init
 from deferinit.materialize import materialize_module, materialize_tensor
 
 
+def check_jump_models() -> None:
+    """Run the once-per-process checks of the kernels' word counts now
+    (deferinit.consumption.verified), so that a profiler counting random
+    kernels sees only the replay's own."""
+    from deferinit.jumps import FAMILIES, verified
+
+    for family in FAMILIES:
+        verified(family)
+
+
 def named_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers by qualified name (ties listed under every name)."""
     out = dict(module.named_parameters(remove_duplicate=False))

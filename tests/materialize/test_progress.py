@@ -24,7 +24,7 @@ from deferinit.text import fmt_bytes
 from deferinit.materialize import materialize_module, progress as progress_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SUMMARY = re.compile(r"^deferinit: materialized (\d+) tensors \(([^)]+)\) in [\d.]+ m?s$", re.M)
+SUMMARY = re.compile(r"^deferinit: materialized (\d+) tensors \(([^)]+)\) in [\d.]+ m?s(?:; the generator [^\n]*)?$", re.M)
 
 # A model whose tensors the test counts from the eager twin.
 SCRIPT = """
@@ -162,3 +162,36 @@ def test_a_failed_materialization_says_where_it_stopped(monkeypatch):
         materialize_module(m, progress=True)
     assert "stopped after" in stream.getvalue() and "nothing was changed" in stream.getvalue()
     assert not SUMMARY.search(stream.getvalue())
+
+
+def test_a_part_says_how_it_reaches_the_generators_state(monkeypatch):
+    """Materializing the last layer of a deferred model moves the generator past
+    every earlier layer's draws: the display counts them while it does, and the
+    summary says they were jumped over (the ones whose count is not known,
+    here trunc_normal_'s, generated)."""
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    monkeypatch.setattr(progress_module, "LOG_INTERVAL", 0.0)
+    monkeypatch.setattr(progress_module, "_told_no_tqdm", True)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # the plain lines show every refresh
+
+    def build():
+        layers = []
+        for i in range(6):
+            layers.append(nn.Linear(32, 32))
+            if i == 1:
+                nn.init.trunc_normal_(layers[1].weight, std=0.02)
+        return nn.Sequential(*layers)
+
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    m = deferred_init(build)
+    materialize_module(m[5], progress=True)
+    assert torch.equal(m[5].weight, eager[5].weight) and torch.equal(m[5].bias, eager[5].bias)
+    text = stream.getvalue()
+    counts = [(int(a), int(b)) for a, b in re.findall(r"(\d+)/(\d+) earlier draws", text)]
+    assert counts == sorted(counts) and all(b == 11 for _, b in counts) and len({a for a, _ in counts}) > 2
+    summary = text.rstrip("\n").splitlines()[-1]
+    assert SUMMARY.fullmatch(summary), summary
+    assert "the generator jumped over 10 earlier draws (" in summary and "1 generated" in summary

@@ -1,0 +1,233 @@
+"""A part costs its part: materializing one piece of a big deferred model, and many small tensors.
+
+Each row times, in fresh processes, eager construction of a piece alone
+against materializing that piece of a deferred model, whose earlier draws
+the generator must move past (it jumps over them: deferinit/jumps.py):
+
+1. one decoder layer (0, and the last) of a deferred Llama-3-8B
+   (``transformers.LlamaForCausalLM`` from its config, no weights) against
+   eager construction of one ``LlamaDecoderLayer``;
+2. layer 79 of the 70B torch.nn Llama of ``deferinit.demo`` against eager
+   construction of one of its ``DecoderLayer``;
+3. a model of 50,000 small parameters (``randn(4)`` each in a
+   ``ParameterList``, or 25,000 ``nn.Linear(4, 4)``), whole, against eager
+   construction (materialization must stay linear in the number of tensors);
+4. a DeepSeek-V3-shaped mixture of experts (2 layers of 256 routed experts
+   and a shared one, each expert three ``nn.Linear``: 1,542 expert tensors,
+   at small sizes so that eager fits), whole, against eager: equal values.
+
+Goals: at most 2x eager construction of the piece (rows 1-3).  The
+figures of one rank of a sharded model are in ``benchmarks/sharding.py``.
+
+Run: ``python benchmarks/parts.py`` (prints markdown; ``--quick`` for tiny
+shapes).  Child mode (internal): ``python benchmarks/parts.py child CASE MODE [--quick]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import machine, mib, peak_rss_bytes, run_child, table  # noqa: E402
+
+
+def llama8b_config(quick: bool):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    if quick:
+        return transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                        num_attention_heads=8, num_key_value_heads=2)
+    return transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+    )
+
+
+def demo_shape(quick: bool):
+    from deferinit.demo import LLAMA_70B, LLAMA_TINY
+
+    return LLAMA_TINY if quick else LLAMA_70B
+
+
+class Many:
+    """``n`` small parameters: in one ``nn.ParameterList`` (``randn(4)`` each), or
+    as the weights and biases of ``n / 2`` ``nn.Linear(4, 4)``."""
+
+    @staticmethod
+    def build(n, linear=False):
+        import torch
+        import torch.nn as nn
+
+        class Many(nn.Module):
+            def __init__(self):
+                super().__init__()
+                if linear:
+                    self.ps = nn.ModuleList(nn.Linear(4, 4) for _ in range(n // 2))
+                else:
+                    self.ps = nn.ParameterList(nn.Parameter(torch.randn(4)) for _ in range(n))
+
+        return Many()
+
+
+def moe(quick: bool):
+    """A DeepSeek-V3-shaped mixture of experts: per layer a router over 256 routed
+    experts plus one shared expert, every expert a SwiGLU of three nn.Linear."""
+    import torch
+    import torch.nn as nn
+
+    d, inner, experts, layers = (16, 8, 256, 2) if not quick else (8, 4, 32, 2)
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = nn.Linear(d, inner, bias=False)
+            self.up_proj = nn.Linear(d, inner, bias=False)
+            self.down_proj = nn.Linear(inner, d, bias=False)
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(d, experts, bias=False)
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(experts))
+            self.experts = nn.ModuleList(Expert() for _ in range(experts))
+            self.shared_experts = Expert()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(100, d)
+            self.layers = nn.ModuleList(MoE() for _ in range(layers))
+            for layer in self.layers:  # DeepSeek-style init: normal(0, 0.006) over every Linear
+                for m in layer.modules():
+                    if isinstance(m, nn.Linear):
+                        nn.init.normal_(m.weight, std=0.006)
+
+    return Model()
+
+
+def child(case: str, mode: str, quick: bool) -> dict:
+    import torch
+
+    from deferinit import deferred_init
+    from deferinit.consumption import FALLBACKS
+    from deferinit.materialize import materialize_module
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    result = {}
+    if case in ("llama8b-0", "llama8b-last"):
+        import transformers
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer  # imported outside the timings
+
+        config = llama8b_config(quick)
+        if mode == "eager":
+            start = time.perf_counter()
+            layer = LlamaDecoderLayer(config, layer_idx=0)
+            result["seconds"] = time.perf_counter() - start
+            part = layer
+        else:
+            model = deferred_init(transformers.LlamaForCausalLM, config)
+            index = 0 if case.endswith("-0") else config.num_hidden_layers - 1
+            part = model.model.layers[index]
+            start = time.perf_counter()
+            materialize_module(part)
+            result["seconds"] = time.perf_counter() - start
+    elif case == "demo70b-last":
+        from deferinit.demo import DecoderLayer, Llama
+
+        shape = demo_shape(quick)
+        if mode == "eager":
+            start = time.perf_counter()
+            part = DecoderLayer(shape)
+            result["seconds"] = time.perf_counter() - start
+        else:
+            model = deferred_init(Llama, shape)
+            part = model.layers[shape.num_layers - 1]
+            start = time.perf_counter()
+            materialize_module(part)
+            result["seconds"] = time.perf_counter() - start
+    elif case in ("many", "many-linear"):
+        n = 2_000 if quick else 50_000
+        linear = case == "many-linear"
+        if mode == "eager":
+            start = time.perf_counter()
+            part = Many.build(n, linear)
+            result["seconds"] = time.perf_counter() - start
+        else:
+            part = deferred_init(Many.build, n, linear)
+            start = time.perf_counter()
+            materialize_module(part)
+            result["seconds"] = time.perf_counter() - start
+    elif case == "moe":
+        if mode == "eager":
+            start = time.perf_counter()
+            part = moe(quick)
+            result["seconds"] = time.perf_counter() - start
+        else:
+            part = deferred_init(moe, quick)
+            start = time.perf_counter()
+            materialize_module(part)
+            result["seconds"] = time.perf_counter() - start
+    else:
+        raise SystemExit(f"unknown case {case}")
+    tensors = [t for t in part.state_dict().values()]
+    result["tensors"] = len(tensors)
+    result["params"] = sum(t.numel() for t in tensors)
+    # A checksum of the bits: equal values give equal sums, in the same order.
+    result["checksum"] = float(sum(t.double().sum() * (i + 1) for i, t in enumerate(tensors)))
+    result["peak_rss"] = peak_rss_bytes()
+    result["fallbacks"] = dict(FALLBACKS)
+    return result
+
+
+CASES = [
+    ("llama8b-0", "layer 0 of a deferred Llama-3-8B (transformers)", "one `LlamaDecoderLayer`", False),
+    ("llama8b-last", "layer 31 of the same", "one `LlamaDecoderLayer`", False),
+    ("demo70b-last", "layer 79 of the 70B `deferinit.demo` Llama (torch.nn, fp32)", "one `DecoderLayer`", False),
+    ("many", "50,000 small parameters (`randn(4)` in a ParameterList), whole model", "the whole model", True),
+    ("many-linear", "50,000 small parameters (25,000 `nn.Linear(4, 4)`), whole model", "the whole model", True),
+    ("moe", "DeepSeek-V3-shaped MoE: 2 layers x 256 experts, whole model", "the whole model", True),
+]
+
+
+def main(quick: bool = False) -> str:
+    script = os.path.abspath(__file__)
+    flags = ["--quick"] if quick else []
+    rows = []
+    notes = set()
+    for case, label, reference, comparable in CASES:
+        eager = run_child(script, "child", case, "eager", *flags)
+        deferred = run_child(script, "child", case, "deferred", *flags)
+        same = "yes" if deferred["checksum"] == eager["checksum"] else "NO"
+        notes.update(f"`{k}` ({v})" for k, v in deferred["fallbacks"].items())
+        rows.append([
+            label, f"{deferred['params'] / 1e6:,.1f} M in {deferred['tensors']:,} tensors", reference,
+            f"{eager['seconds']:.2f} s", f"{deferred['seconds']:.2f} s", f"{deferred['seconds'] / eager['seconds']:.2f}x",
+            mib(eager["peak_rss"]), mib(deferred["peak_rss"]),
+            same if comparable else "(another layer's values)",
+        ])
+    fallbacks = ", ".join(sorted(notes)) if notes else "none"
+    return "\n".join([
+        f"Machine: {machine()}, one thread",
+        "",
+        table(["materialized", "size", "eager reference", "eager", "materialize", "ratio", "eager peak RSS",
+               "deferred peak RSS", "same values"], rows),
+        "",
+        "Each cell from its own fresh process. Goal: ratio at most 2x. The single layers are compared with eager "
+        "construction of one layer alone, whose values are not the model's layer (those are checked against "
+        "eager construction of whole models in tests/materialize). Draws generated instead of jumped over "
+        f"(their word counts not known): {fallbacks}.",
+    ])
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        print(json.dumps(child(sys.argv[2], sys.argv[3], "--quick" in sys.argv)))
+    else:
+        print(main(quick="--quick" in sys.argv))
