@@ -13,6 +13,7 @@ torch keeps for itself (CUDA's queued calls), are not differences.
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
 
@@ -68,6 +69,8 @@ def take() -> dict:
         "torch function state": str(torch._C._get_torch_function_state()),
         # what a guard such as torch._C._DisableTorchDispatch leaves in the thread's dispatch keys
         "dispatch keys": (str(torch._C._dispatch_tls_local_include_set()), str(torch._C._dispatch_tls_local_exclude_set())),
+        # materialization pauses Python's cyclic collector while it replays
+        "garbage collector": gc.isenabled(),
     }
 
 
@@ -97,7 +100,7 @@ def differences(before: dict, after: dict) -> list[tuple]:
         elif name not in before["classes"] and cls.__module__.startswith("deferinit"):
             found.append((name, "__class__"))
     for key in ("function modes", "dispatch modes", "default device", "default dtype", "grad", "inference",
-                "forward grad", "torch function state", "dispatch keys"):
+                "forward grad", "torch function state", "dispatch keys", "garbage collector"):
         if before[key] != after[key]:
             found.append((key, before[key], after[key]))
     return found
