@@ -274,6 +274,59 @@ class FileLoadThenMaterialize(Materialization):
         _assert_loaded(m, FileLoad.VALUES)
 
 
+def _one_rank_group() -> None:
+    """A gloo process group of one rank in this process (kept for the process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class Sharded:
+    """materialize_module of a model FSDP2's ``fully_shard`` sharded on a one-rank
+    gloo group (deferinit.materialize.distributed): afterwards every DTensor is
+    still deferred (materializing again gives eager's values) or real with them."""
+
+    name = "sharded materialize_module (FSDP2, one gloo rank)"
+
+    @staticmethod
+    def _build(make):
+        import dist_workers
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = make(dist_workers.Net)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    def setup(self):
+        _one_rank_group()
+        if not hasattr(self, "eager"):
+            self.eager = self._build(lambda cls: cls())
+            self.after = torch.rand(8)
+        return {"m": self._build(deferred_init)}
+
+    def act(self, state):
+        materialize_module(state["m"])
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        held = [*m.parameters(), *m.buffers()]
+        deferred_now = [is_deferred(t) for t in held]
+        assert all(deferred_now) or not any(deferred_now), f"half materialized: {deferred_now}"
+        if deferred_now[0]:
+            materialize_module(m)
+        eager = dict(self.eager.named_parameters())
+        for name, p in m.named_parameters():
+            assert type(p) is type(eager[name]) and type(p._local_tensor) is torch.Tensor, name
+            assert torch.equal(p._local_tensor, eager[name]._local_tensor), f"{name} differs from eager"
+        for (name, b), (_, e) in zip(m.named_buffers(), self.eager.named_buffers()):
+            assert torch.equal(b, e), name
+        assert torch.equal(torch.rand(8), self.after), "the default generator differs from eager's"
+
+
 class _PassingFunctions(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -299,7 +352,8 @@ class UnderUserModes(Block):
 
 
 SCENARIOS = [Deferral(), Block(), Materialization(), TensorByTensor(), Load(),
-             *(c(kind) for kind in ("safetensors", "torch.save") for c in (FileLoad, FileLoadThenMaterialize))]
+             *(c(kind) for kind in ("safetensors", "torch.save") for c in (FileLoad, FileLoadThenMaterialize)),
+             Sharded()]
 # Only at the project's lines: a real SIGINT may also land inside torch's own
 # enter or exit of the user's modes, outside any call of ours.
 LINE_SCENARIOS = SCENARIOS + [UnderUserModes()]
