@@ -47,6 +47,7 @@ PROFILE = os.environ.get("DEFERINIT_INTERRUPTS")  # None: run the trials in a pr
 LONG = PROFILE == "long"
 LINE_TRIALS = None if LONG else 60  # per scenario; None: every line
 SIGNAL_TRIALS = 400 if LONG else 40
+TWICE_FIRSTS, TWICE_SECONDS = (None, None) if LONG else (6, 6)  # first interrupts, second ones after each
 
 EXPLICIT = torch.Generator()
 
@@ -420,6 +421,56 @@ def _run_traced(scenario, state, k):
     return interrupted, tracer.count
 
 
+class _Twice:
+    """Two interrupts: one at the k-th line of the project's files, a second at the
+    j-th line after it (in the undo the first one set off), as a user's second
+    Ctrl-C arrives while the first one is handled.  Python turns tracing off
+    when a trace function raises; a profile function (called at every call
+    and return, also of the undo's functions) turns it on again."""
+
+    def __init__(self, k, j):
+        self.k, self.j = k, j
+        self.count = 0
+        self.raised = 0
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename.startswith(PROJECT):
+            return self._line
+        return None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.k or (self.j and self.count == self.k + self.j):
+                self.raised += 1
+                raise KeyboardInterrupt(f"interrupt {self.raised} at line {self.count}: {frame.f_code.co_filename}:{frame.f_lineno}")
+        return self._line
+
+    def profile(self, frame, event, arg):
+        if self.raised == 1 and sys.gettrace() is None:
+            sys.settrace(self)
+
+
+def _run_twice(scenario, state, k, j):
+    tracer = _Twice(k, j)
+    interrupted = False
+    sys.setprofile(tracer.profile)
+    sys.settrace(tracer)
+    try:
+        scenario.act(state)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+    if j and interrupted:
+        TWICE.append(tracer.raised)
+    return interrupted, tracer.count
+
+
+TWICE: list = []  # per trial with a second interrupt due: how many were raised
+
+
 def _run_signalled(scenario, state, delay):
     previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
     interrupted = False
@@ -565,6 +616,82 @@ def test_a_real_sigint_at_a_random_time(scenario):
         for _ in range(SIGNAL_TRIALS)
     )
     assert interrupted >= SIGNAL_TRIALS // 4, f"only {interrupted} of {SIGNAL_TRIALS} trials were interrupted"
+
+
+_SUSPENDED = pytest.mark.xfail(strict=True, reason=(
+    "known gap: a second interrupt at the start of the `with` statement's exception handler "
+    "(before __exit__ is called) leaves deferinit.session._recording, a contextlib generator, "
+    "suspended; the collector closes it later and its undo runs then, out of order, inside an "
+    "unrelated later deferral, whose values then differ from eager's"))
+TWICE_SCENARIOS = [s for s in SCENARIOS if not isinstance(s, Deferral)] + [
+    pytest.param(Deferral(), marks=_SUSPENDED), pytest.param(Block(), marks=_SUSPENDED)]
+
+
+@trials
+@pytest.mark.timeout(0 if LONG else 600)
+@pytest.mark.filterwarnings("ignore::deferinit.PendingDrawsWarning")
+@pytest.mark.parametrize("scenario", TWICE_SCENARIOS, ids=lambda s: s.name)
+def test_a_second_interrupt_during_the_undo_of_the_first(scenario):
+    n = _lines_of(scenario)
+    firsts = TWICE_FIRSTS or n
+    interrupted = trials_run = 0
+    for k in sorted({1 + (i * (n - 1)) // max(1, firsts - 1) for i in range(firsts)}):
+        # The lines the undo of an interrupt at k runs: counted by a run with that one interrupt.
+        state = scenario.setup()
+        _, total = _run_twice(scenario, state, k, 0)
+        scenario.check(state, True)
+        del state
+        after = max(1, total - k)
+        seconds = TWICE_SECONDS or after
+        for j in sorted({1 + (i * (after - 1)) // max(1, seconds - 1) for i in range(seconds)}):
+            trials_run += 1
+            interrupted += _trial(scenario, lambda state, k=k, j=j: _run_twice(scenario, state, k, j)[0])
+    assert interrupted >= 0.9 * trials_run, (interrupted, trials_run)
+    # Most trials did raise the second interrupt (some undo paths run fewer
+    # lines than the one counted: caches, early exits).
+    assert TWICE.count(2) >= 0.5 * trials_run, (TWICE.count(2), trials_run)
+    TWICE.clear()
+
+
+def test_an_interrupt_inside_torchs_own_guard_enter_leaves_no_dispatch_keys_behind():
+    """A SIGINT inside ``torch.inference_mode(False).__enter__`` while materializing
+    (found by the SIGINT trials, about one CI run in three): the C++ guard's
+    exit never ran, and when the traceback was freed it put back the dispatch
+    keys it saved under no_python_dispatch, excluding the Python keys for good
+    (later tests segfaulted).  Replay enters no inference-mode guard outside
+    inference mode."""
+    import torch.autograd.grad_mode as grad_mode
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename == grad_mode.__file__ and frame.f_code.co_name == "__enter__":
+            return lambda f, e, a: _raise() if e == "return" else None
+        return None
+
+    def _raise():
+        sys.settrace(None)
+        raise KeyboardInterrupt("inside a torch guard's __enter__")
+
+    torch.manual_seed(0)
+    m = deferred_init(nn.Linear, 3, 3)
+    keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    sys.settrace(tracer)
+    try:
+        materialize_module(m)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    gc.collect()
+    now = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    try:
+        assert [k.raw_repr() for k in now] == [k.raw_repr() for k in keys], f"dispatch keys left: {now}"
+    finally:
+        for key in (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot, torch._C.DispatchKey.PreDispatch):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, keys[1].has(key))
+    if is_deferred(m):
+        materialize_module(m)
+    torch.manual_seed(0)
+    assert torch.equal(m.weight, nn.Linear(3, 3).weight)
 
 
 def test_the_trace_interrupt_reaches_the_projects_lines_and_would_be_noticed():
