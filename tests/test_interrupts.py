@@ -45,9 +45,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT = tuple(os.path.join(ROOT, d) + os.sep for d in ("fake", "deferinit", "materialize"))
 PROFILE = os.environ.get("DEFERINIT_INTERRUPTS")  # None: run the trials in a process of their own
 LONG = PROFILE == "long"
-LINE_TRIALS = None if LONG else 60  # per scenario; None: every line
-SIGNAL_TRIALS = 400 if LONG else 40
-TWICE_FIRSTS, TWICE_SECONDS = (None, None) if LONG else (6, 6)  # first interrupts, second ones after each
+WIDE = PROFILE == "wide"  # the slow-marked sweep: wider than CI's, minutes not hours
+LINE_TRIALS = None if LONG else 300 if WIDE else 60  # per scenario; None: every line
+SIGNAL_TRIALS = 400 if LONG or WIDE else 40
+# First interrupts, and second ones after each (None: every line).
+TWICE_FIRSTS, TWICE_SECONDS = (None, None) if LONG else (15, 15) if WIDE else (6, 6)
 
 EXPLICIT = torch.Generator()
 
@@ -383,6 +385,22 @@ def test_the_trials_in_a_process_of_their_own():
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200,
+    )
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROFILE is not None, reason="this is that process")
+@pytest.mark.timeout(1500)
+def test_a_wider_sweep_in_a_process_of_its_own():
+    """``DEFERINIT_INTERRUPTS=wide``: 300 lines, 400 SIGINTs and 15 x 15 double
+    interrupts per scenario (docs/testing.md gives the figures)."""
+    import subprocess
+
+    env = dict(os.environ, DEFERINIT_INTERRUPTS="wide")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1400,
     )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
