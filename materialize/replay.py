@@ -265,8 +265,15 @@ def _grad_mode(inference: bool):
     if inference:
         with torch.inference_mode():
             yield
-    else:
+    elif torch.is_inference_mode_enabled():
         with torch.inference_mode(False), torch.no_grad():
+            yield
+    else:
+        # No inference-mode guard where none is needed: torch's is a C++ object
+        # that, when an interrupt keeps its exit from running, puts back the
+        # whole dispatch-key state it saved whenever the collector frees it,
+        # later and out of order (it excluded the Python keys for good).
+        with torch.no_grad():
             yield
 
 

@@ -45,8 +45,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROJECT = tuple(os.path.join(ROOT, d) + os.sep for d in ("fake", "deferinit", "materialize"))
 PROFILE = os.environ.get("DEFERINIT_INTERRUPTS")  # None: run the trials in a process of their own
 LONG = PROFILE == "long"
-LINE_TRIALS = None if LONG else 60  # per scenario; None: every line
-SIGNAL_TRIALS = 400 if LONG else 40
+WIDE = PROFILE == "wide"  # the slow-marked sweep: wider than CI's, minutes not hours
+LINE_TRIALS = None if LONG else 300 if WIDE else 60  # per scenario; None: every line
+SIGNAL_TRIALS = 400 if LONG or WIDE else 40
+# First interrupts, and second ones after each (None: every line).
+TWICE_FIRSTS, TWICE_SECONDS = (None, None) if LONG else (15, 15) if WIDE else (6, 6)
 
 EXPLICIT = torch.Generator()
 
@@ -188,6 +191,145 @@ class Load(Materialization):
             assert m.row.untyped_storage().data_ptr() == m.a.weight.untyped_storage().data_ptr()
 
 
+_FILES: dict = {}
+
+
+def _checkpoint_file(kind: str) -> str:
+    """A file (``"safetensors"`` or ``"torch.save"``) holding some of Net's tensors
+    with values of its own, written once per process."""
+    if kind not in _FILES:
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="deferinit-interrupts-")
+        if kind == "safetensors":
+            from safetensors.torch import save_file
+
+            _FILES[kind] = os.path.join(folder, "part.safetensors")
+            save_file(FileLoad.VALUES, _FILES[kind])
+        else:
+            _FILES[kind] = os.path.join(folder, "part.pt")
+            torch.save(FileLoad.VALUES, _FILES[kind])
+    return _FILES[kind]
+
+
+def _assert_loaded(m, values):
+    """``m`` real, with ``values`` where given and eager's values elsewhere (views,
+    classes, generators included: a load runs none of the initialisation it
+    overwrites, yet the generators end where eager's do)."""
+    eager, after, explicit_after = _reference()
+    for name, t in (*eager.named_parameters(), *eager.named_buffers()):
+        got = m.get_parameter(name) if name in dict(m.named_parameters()) else m.get_buffer(name)
+        assert type(got) is type(t), name
+        want = values.get(name, t)
+        if name == "row" and "a.weight" in values:
+            want = values["a.weight"][1]
+        assert torch.equal(got.detach(), want), f"{name}: neither the file's nor eager's value"
+    assert m.row.untyped_storage().data_ptr() == m.a.weight.untyped_storage().data_ptr(), "row no longer views a.weight"
+    assert torch.equal(torch.rand(8), after), "the default generator differs from eager's"
+    assert torch.equal(torch.rand(8, generator=EXPLICIT), explicit_after), "the explicit generator differs"
+
+
+class FileLoad(Materialization):
+    """load_checkpoint of a file into a deferred Net: afterwards the load is
+    recorded whole or not at all (a second load gives the same values)."""
+
+    # Not ``c``: a load over the only draw of an explicit generator leaves that
+    # generator behind eager's (a bug outside interrupts, reported on issue 26).
+    VALUES = {"a.weight": torch.arange(16.0).reshape(4, 4), "b.bias": torch.full((3,), 3.0)}
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.name = f"load_checkpoint of a {kind} file"
+
+    def act(self, state):
+        load_checkpoint(state["m"], _checkpoint_file(self.kind), strict=False)
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        assert _all_or_nothing(m), "load_checkpoint materialized a deferred module"
+        materialize_module(m)
+        loaded = [torch.equal(m.get_parameter(n).detach(), v) for n, v in self.VALUES.items()]
+        assert all(loaded) or not any(loaded), f"half loaded: {loaded}"
+        if not any(loaded):
+            _assert_like_eager(m)  # nothing of the load recorded
+            m = state["m"] = self.setup()["m"]
+            load_checkpoint(m, _checkpoint_file(self.kind), strict=False)  # loadable again
+            materialize_module(m)
+        _assert_loaded(m, self.VALUES)
+
+
+class FileLoadThenMaterialize(Materialization):
+    """materialize_module after a file's load: the reads happen here, all or nothing."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.name = f"materialize_module after a {kind} load"
+
+    def setup(self):
+        state = super().setup()
+        load_checkpoint(state["m"], _checkpoint_file(self.kind), strict=False)
+        return state
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        if _all_or_nothing(m):
+            materialize_module(m)
+        _assert_loaded(m, FileLoad.VALUES)
+
+
+def _one_rank_group() -> None:
+    """A gloo process group of one rank in this process (kept for the process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+class Sharded:
+    """materialize_module of a model FSDP2's ``fully_shard`` sharded on a one-rank
+    gloo group (deferinit.materialize.distributed): afterwards every DTensor is
+    still deferred (materializing again gives eager's values) or real with them."""
+
+    name = "sharded materialize_module (FSDP2, one gloo rank)"
+
+    @staticmethod
+    def _build(make):
+        import dist_workers
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = make(dist_workers.Net)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+
+    def setup(self):
+        _one_rank_group()
+        if not hasattr(self, "eager"):
+            self.eager = self._build(lambda cls: cls())
+            self.after = torch.rand(8)
+        return {"m": self._build(deferred_init)}
+
+    def act(self, state):
+        materialize_module(state["m"])
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        held = [*m.parameters(), *m.buffers()]
+        deferred_now = [is_deferred(t) for t in held]
+        assert all(deferred_now) or not any(deferred_now), f"half materialized: {deferred_now}"
+        if deferred_now[0]:
+            materialize_module(m)
+        eager = dict(self.eager.named_parameters())
+        for name, p in m.named_parameters():
+            assert type(p) is type(eager[name]) and type(p._local_tensor) is torch.Tensor, name
+            assert torch.equal(p._local_tensor, eager[name]._local_tensor), f"{name} differs from eager"
+        for (name, b), (_, e) in zip(m.named_buffers(), self.eager.named_buffers()):
+            assert torch.equal(b, e), name
+        assert torch.equal(torch.rand(8), self.after), "the default generator differs from eager's"
+
+
 class _PassingFunctions(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -212,7 +354,9 @@ class UnderUserModes(Block):
         state["m"] = m
 
 
-SCENARIOS = [Deferral(), Block(), Materialization(), TensorByTensor(), Load()]
+SCENARIOS = [Deferral(), Block(), Materialization(), TensorByTensor(), Load(),
+             *(c(kind) for kind in ("safetensors", "torch.save") for c in (FileLoad, FileLoadThenMaterialize)),
+             Sharded()]
 # Only at the project's lines: a real SIGINT may also land inside torch's own
 # enter or exit of the user's modes, outside any call of ours.
 LINE_SCENARIOS = SCENARIOS + [UnderUserModes()]
@@ -241,6 +385,27 @@ def test_the_trials_in_a_process_of_their_own():
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200,
+    )
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROFILE is not None, reason="this is that process")
+@pytest.mark.timeout(1500)
+@pytest.mark.xfail(strict=False, reason=(
+    "known gaps the wider double-interrupt sweep finds (docs/testing.md 'Interrupts'): a second "
+    "interrupt inside the undo of materialize_module / file loads can skip the generator hand-over "
+    "(the default generator then differs from eager's) or land inside Entry.restore itself (torch "
+    "functions left ALL_DISABLED, Python dispatch keys excluded)"))
+def test_a_wider_sweep_in_a_process_of_its_own():
+    """``DEFERINIT_INTERRUPTS=wide``: 300 lines, 400 SIGINTs and 15 x 15 double
+    interrupts per scenario (docs/testing.md gives the figures)."""
+    import subprocess
+
+    env = dict(os.environ, DEFERINIT_INTERRUPTS="wide")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=1400,
     )
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
@@ -277,6 +442,56 @@ def _run_traced(scenario, state, k):
     finally:
         sys.settrace(None)
     return interrupted, tracer.count
+
+
+class _Twice:
+    """Two interrupts: one at the k-th line of the project's files, a second at the
+    j-th line after it (in the undo the first one set off), as a user's second
+    Ctrl-C arrives while the first one is handled.  Python turns tracing off
+    when a trace function raises; a profile function (called at every call
+    and return, also of the undo's functions) turns it on again."""
+
+    def __init__(self, k, j):
+        self.k, self.j = k, j
+        self.count = 0
+        self.raised = 0
+
+    def __call__(self, frame, event, arg):
+        if frame.f_code.co_filename.startswith(PROJECT):
+            return self._line
+        return None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.k or (self.j and self.count == self.k + self.j):
+                self.raised += 1
+                raise KeyboardInterrupt(f"interrupt {self.raised} at line {self.count}: {frame.f_code.co_filename}:{frame.f_lineno}")
+        return self._line
+
+    def profile(self, frame, event, arg):
+        if self.raised == 1 and sys.gettrace() is None:
+            sys.settrace(self)
+
+
+def _run_twice(scenario, state, k, j):
+    tracer = _Twice(k, j)
+    interrupted = False
+    sys.setprofile(tracer.profile)
+    sys.settrace(tracer)
+    try:
+        scenario.act(state)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        sys.setprofile(None)
+        sys.settrace(None)
+    if j and interrupted:
+        TWICE.append(tracer.raised)
+    return interrupted, tracer.count
+
+
+TWICE: list = []  # per trial with a second interrupt due: how many were raised
 
 
 def _run_signalled(scenario, state, delay):
@@ -424,6 +639,82 @@ def test_a_real_sigint_at_a_random_time(scenario):
         for _ in range(SIGNAL_TRIALS)
     )
     assert interrupted >= SIGNAL_TRIALS // 4, f"only {interrupted} of {SIGNAL_TRIALS} trials were interrupted"
+
+
+_SUSPENDED = pytest.mark.xfail(strict=True, reason=(
+    "known gap: a second interrupt at the start of the `with` statement's exception handler "
+    "(before __exit__ is called) leaves deferinit.session._recording, a contextlib generator, "
+    "suspended; the collector closes it later and its undo runs then, out of order, inside an "
+    "unrelated later deferral, whose values then differ from eager's"))
+TWICE_SCENARIOS = [s for s in SCENARIOS if not isinstance(s, Deferral)] + [
+    pytest.param(Deferral(), marks=_SUSPENDED), pytest.param(Block(), marks=_SUSPENDED)]
+
+
+@trials
+@pytest.mark.timeout(0 if LONG else 600)
+@pytest.mark.filterwarnings("ignore::deferinit.PendingDrawsWarning")
+@pytest.mark.parametrize("scenario", TWICE_SCENARIOS, ids=lambda s: s.name)
+def test_a_second_interrupt_during_the_undo_of_the_first(scenario):
+    n = _lines_of(scenario)
+    firsts = TWICE_FIRSTS or n
+    interrupted = trials_run = 0
+    for k in sorted({1 + (i * (n - 1)) // max(1, firsts - 1) for i in range(firsts)}):
+        # The lines the undo of an interrupt at k runs: counted by a run with that one interrupt.
+        state = scenario.setup()
+        _, total = _run_twice(scenario, state, k, 0)
+        scenario.check(state, True)
+        del state
+        after = max(1, total - k)
+        seconds = TWICE_SECONDS or after
+        for j in sorted({1 + (i * (after - 1)) // max(1, seconds - 1) for i in range(seconds)}):
+            trials_run += 1
+            interrupted += _trial(scenario, lambda state, k=k, j=j: _run_twice(scenario, state, k, j)[0])
+    assert interrupted >= 0.9 * trials_run, (interrupted, trials_run)
+    # Most trials did raise the second interrupt (some undo paths run fewer
+    # lines than the one counted: caches, early exits).
+    assert TWICE.count(2) >= 0.5 * trials_run, (TWICE.count(2), trials_run)
+    TWICE.clear()
+
+
+def test_an_interrupt_inside_torchs_own_guard_enter_leaves_no_dispatch_keys_behind():
+    """A SIGINT inside ``torch.inference_mode(False).__enter__`` while materializing
+    (found by the SIGINT trials, about one CI run in three): the C++ guard's
+    exit never ran, and when the traceback was freed it put back the dispatch
+    keys it saved under no_python_dispatch, excluding the Python keys for good
+    (later tests segfaulted).  Replay enters no inference-mode guard outside
+    inference mode."""
+    import torch.autograd.grad_mode as grad_mode
+
+    def tracer(frame, event, arg):
+        if frame.f_code.co_filename == grad_mode.__file__ and frame.f_code.co_name == "__enter__":
+            return lambda f, e, a: _raise() if e == "return" else None
+        return None
+
+    def _raise():
+        sys.settrace(None)
+        raise KeyboardInterrupt("inside a torch guard's __enter__")
+
+    torch.manual_seed(0)
+    m = deferred_init(nn.Linear, 3, 3)
+    keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    sys.settrace(tracer)
+    try:
+        materialize_module(m)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    gc.collect()
+    now = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+    try:
+        assert [k.raw_repr() for k in now] == [k.raw_repr() for k in keys], f"dispatch keys left: {now}"
+    finally:
+        for key in (torch._C.DispatchKey.Python, torch._C.DispatchKey.PythonTLSSnapshot, torch._C.DispatchKey.PreDispatch):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(key, keys[1].has(key))
+    if is_deferred(m):
+        materialize_module(m)
+    torch.manual_seed(0)
+    assert torch.equal(m.weight, nn.Linear(3, 3).weight)
 
 
 def test_the_trace_interrupt_reaches_the_projects_lines_and_would_be_noticed():
