@@ -63,6 +63,11 @@ SPAWNS = {
 
 
 def pytest_collection_modifyitems(config, items):
+    # Hunts run only when asked for by name (`-m hunt`): minutes each, they
+    # would put `make test` over its 20 minutes.
+    hunting = "hunt" in (config.getoption("markexpr") or "")
     for item in items:
         if os.path.basename(str(item.fspath)) in SPAWNS:
             item.add_marker(pytest.mark.spawns)
+        if not hunting and item.get_closest_marker("hunt") is not None:
+            item.add_marker(pytest.mark.skip(reason="a long hunt, run by hand: pytest -m hunt (docs/testing.md)"))

@@ -177,6 +177,7 @@ def test_torchtune_qlora_builders(family):
 
 
 @pytest.mark.slow
+@pytest.mark.hunt  # about 8 minutes
 @pytest.mark.timeout(3600)
 def test_every_torchtune_qlora_builder_defers():
     """The full-size builders (7B to 70B), deferred: no memory, every base weight NF4
