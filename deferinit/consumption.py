@@ -47,6 +47,7 @@ import torch
 
 from deferinit.fake.flat import unflatten
 
+from .effects import contiguous
 from .graph import Input
 
 aten = torch.ops.aten
@@ -85,15 +86,6 @@ class Consumption(NamedTuple):
 FALLBACKS: collections.Counter = collections.Counter()
 
 
-def _contiguous(sizes, strides) -> bool:
-    expected = 1
-    for n, s in reversed(list(zip(sizes, strides))):
-        if n != 1 and s != expected:
-            return False
-        expected *= n
-    return True
-
-
 def _numel(sizes) -> int:
     n = 1
     for s in sizes:
@@ -129,7 +121,7 @@ def _uniform(sizes, strides, dtype, family="uniform") -> Consumption | None:
     if w is None:
         return None
     n = _numel(sizes)
-    return Consumption(n * w, layout=("each", w) if _contiguous(sizes, strides) else None, family=family)
+    return Consumption(n * w, layout=("each", w) if contiguous(sizes, strides) else None, family=family)
 
 
 def _normal(sizes, strides, dtype) -> Consumption | None:
@@ -137,7 +129,7 @@ def _normal(sizes, strides, dtype) -> Consumption | None:
     if w is None:
         return None
     n = _numel(sizes)
-    if n >= 16 and _contiguous(sizes, strides):
+    if n >= 16 and contiguous(sizes, strides):
         q, r = divmod(n, 16)
         tail_at = 16 * q * w if dtype in _REDUCED else n * w
         words = tail_at + 16 * w if r else n * w
@@ -149,7 +141,7 @@ def _random_range(sizes, strides, dtype, span) -> Consumption | None:
     if dtype not in _FULL_RANGE or span is None or not 0 < span <= _SMALL_RANGE:
         return None
     n = _numel(sizes)
-    return Consumption(n, layout=("each", 1) if _contiguous(sizes, strides) else None, family="random")
+    return Consumption(n, layout=("each", 1) if contiguous(sizes, strides) else None, family="random")
 
 
 def _random_full(sizes, strides, dtype) -> Consumption | None:
@@ -157,7 +149,7 @@ def _random_full(sizes, strides, dtype) -> Consumption | None:
     if w is None:
         return None
     n = _numel(sizes)
-    return Consumption(n * w, layout=("each", w) if _contiguous(sizes, strides) else None, family="random")
+    return Consumption(n * w, layout=("each", w) if contiguous(sizes, strides) else None, family="random")
 
 
 def _two_words(family):

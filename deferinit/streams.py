@@ -50,8 +50,25 @@ class ReplayStream:
 
     def needs(self, k: int):
         """The draws to replay so that the state right before draw ``k`` is known."""
+        yield from self._walk(k, None)
+
+    def needs_all(self, ks) -> list:
+        """The draws to replay so that the states right before every draw in ``ks``
+        are known, each once: walks from a position already walked stop there,
+        so the cost is the number of draws walked, not ``len(ks)`` times it."""
+        seen: set = set()
+        return [node for k in sorted(set(ks), reverse=True) for node in self._walk(k, seen)]
+
+    def _walk(self, k: int, seen: set | None):
+        """The draws before ``k`` back to the nearest known state, nearest first;
+        stops at a position in ``seen`` (and adds those it passes)."""
         stream = self
         while True:
+            if seen is not None:
+                at = (id(stream), k)
+                if at in seen:
+                    return
+                seen.add(at)
             event = stream.events.get(k)
             if event is not None:
                 if event[1] != SAME:
@@ -71,40 +88,6 @@ class ReplayStream:
                 return
             k -= 1
             yield stream.nodes[k]
-
-    def needs_all(self, ks) -> list:
-        """The draws to replay so that the states right before every draw in ``ks``
-        are known, each once: walks from a position already walked stop there,
-        so the cost is the number of draws walked, not ``len(ks)`` times it."""
-        seen: set = set()
-        out = []
-        for k in sorted(set(ks), reverse=True):
-            stream = self
-            while True:
-                at = (id(stream), k)
-                if at in seen:
-                    break
-                seen.add(at)
-                event = stream.events.get(k)
-                if event is not None:
-                    if event[1] != SAME:
-                        break
-                    d = event[2]
-                    if d in stream.post:
-                        break
-                    out.append(stream.nodes[d])
-                    k = d
-                    continue
-                if k == 0:
-                    if stream.prev is None:
-                        break
-                    stream, k = stream.prev, len(stream.prev.nodes)
-                    continue
-                if (k - 1) in stream.post:
-                    break
-                k -= 1
-                out.append(stream.nodes[k])
-        return out
 
     def state_before(self, k: int) -> torch.Tensor | None:
         """The exact state right before draw ``k`` (None: not known, or the start of a
