@@ -497,6 +497,9 @@ TWICE: list = []  # per trial with a second interrupt due: how many were raised
 
 def _run_signalled(scenario, state, delay):
     previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    # SIGINT as a terminal's Ctrl-C gives it, also where this process was
+    # started with it ignored (a parent that ignores SIGINT passes that on).
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     interrupted = False
     try:
         try:
@@ -509,6 +512,7 @@ def _run_signalled(scenario, state, delay):
         interrupted = True
     finally:
         signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     return interrupted
 
 
