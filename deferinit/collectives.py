@@ -42,6 +42,7 @@ import torch
 
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.dispatch import run
+from deferinit.fake.opinfo import bind
 from deferinit.fake.tensor import FakeTensor
 
 from .effects import root_value
@@ -67,7 +68,7 @@ def record_collective(recorder, func, args, kwargs):
         >>> d = distribute_tensor(deferred_init(torch.randn, 8, 4), mesh, [Shard(0)])
         >>> print(graph_of(d))   # ... aten.split, aten.copy_ of this rank's piece; no c10d op
     """
-    bound = _bind(func, args, kwargs)
+    bound = bind(func, args, kwargs)
     name = func._schema.name
     if name == "c10d::broadcast_":
         return _broadcast(func, args, kwargs, bound)
@@ -79,18 +80,6 @@ def record_collective(recorder, func, args, kwargs):
         "(materialize_module / materialize_tensor), then communicate. (Only the scatter and "
         "broadcast that distribute_tensor issues are recorded, as local operations.)"
     )
-
-
-def _bind(func, args, kwargs) -> dict:
-    bound = {}
-    for i, a in enumerate(func._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-        else:
-            bound[a.name] = a.default_value
-    return bound
 
 
 def _group(boxed):

@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 
 from deferinit.fake.flat import unflatten
+from deferinit.fake.opinfo import bind
 
 from .effects import contiguous
 from .graph import Input
@@ -91,18 +92,6 @@ def _numel(sizes) -> int:
     for s in sizes:
         n *= s
     return n
-
-
-def _bind(op, args, kwargs) -> dict:
-    bound = {}
-    for i, a in enumerate(op._schema.arguments):
-        if i < len(args) and not a.kwarg_only:
-            bound[a.name] = args[i]
-        elif a.name in kwargs:
-            bound[a.name] = kwargs[a.name]
-        elif a.has_default_value():
-            bound[a.name] = a.default_value
-    return bound
 
 
 def filled(node):
@@ -179,7 +168,7 @@ def _count(node) -> Consumption | None:
     geometry = filled(node)
     if name == "randperm":
         args, kwargs = unflatten(node.flat, node.spec)
-        n = _bind(op, args, kwargs).get("n")
+        n = bind(op, args, kwargs).get("n")
         if not isinstance(n, int) or not 0 <= n < _RANDPERM_MAX:
             return None
         return Consumption(max(n - 1, 0), family="randperm")
@@ -187,7 +176,7 @@ def _count(node) -> Consumption | None:
         return None
     sizes, strides, dtype = geometry
     args, kwargs = unflatten(node.flat, node.spec)
-    bound = _bind(op, args, kwargs)
+    bound = bind(op, args, kwargs)
     if any(type(v) is Input for k, v in bound.items() if k not in ("self", "input")):
         return None  # tensor-valued parameters (normal with tensor means, bernoulli_(Tensor p))
     if name == "uniform_" or name in _FACTORY_RAND:

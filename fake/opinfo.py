@@ -147,6 +147,27 @@ class OpInfo:
 _cache: dict = {}
 
 
+def bind(func, args, kwargs) -> dict:
+    """An operator call's arguments by schema name: given positionally or by
+    keyword, else the schema's default (arguments without one and not given
+    are absent).
+
+    Example::
+
+        >>> bind(torch.ops.aten.normal_.default, (torch.empty(2),), {"std": 2.0})["mean"]
+        0.0
+    """
+    bound = {}
+    for i, a in enumerate(func._schema.arguments):
+        if i < len(args) and not a.kwarg_only:
+            bound[a.name] = args[i]
+        elif a.name in kwargs:
+            bound[a.name] = kwargs[a.name]
+        elif a.has_default_value():
+            bound[a.name] = a.default_value
+    return bound
+
+
 def op_info(func) -> OpInfo:
     info = _cache.get(func)
     if info is None:
