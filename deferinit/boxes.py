@@ -22,7 +22,7 @@ Example::
 
 from __future__ import annotations
 
-import math
+from deferinit.fake.extent import extent
 
 
 def contiguous_strides(shape) -> tuple:
@@ -114,7 +114,7 @@ def slab(offset: int, sizes, strides, shape):
     ``offset + i . strides`` that is whole in every dimension after the first
     one it spans (so its elements are one stretch of the row-major layout)."""
     shape = tuple(shape)
-    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
+    last = extent(sizes, strides, offset) - 1
     lo, hi = unravel(offset, shape), unravel(last, shape)
     start, box = [], []
     spanning = False

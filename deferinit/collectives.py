@@ -42,6 +42,7 @@ import torch
 
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.dispatch import run
+from deferinit.fake.extent import extent
 from deferinit.fake.opinfo import bind
 from deferinit.fake.tensor import FakeTensor
 
@@ -180,8 +181,7 @@ def _split_source(out: FakeTensor, func):
     if storage is None or storage.head is not source_read.version:
         raise fail("the split tensor was written since")
     with no_python_dispatch():
-        extent = 0 if 0 in value.size else 1 + sum((n - 1) * s for n, s in zip(value.size, value.stride))
-        shadow = torch.empty(value.offset + extent, dtype=value.dtype, device="meta").as_strided(
+        shadow = torch.empty(extent(value.size, value.stride, value.offset), dtype=value.dtype, device="meta").as_strided(
             value.size, value.stride, value.offset
         )
     source = FakeTensor(shadow, value.device)

@@ -24,6 +24,8 @@ Example::
 
 from __future__ import annotations
 
+from deferinit.fake.extent import extent
+
 
 class Region:
     """Bytes ``offset + sum(i_k * strides[k]) + [0, itemsize)`` for every index ``i``."""
@@ -32,18 +34,17 @@ class Region:
 
     def __init__(self, offset: int, sizes, strides, itemsize: int):
         sizes_, strides_ = [], []
-        extent = 0
         for n, s in zip(sizes, strides):
             if n != 1:
                 sizes_.append(n)
                 strides_.append(s)
-                extent += (n - 1) * s
         self.offset = offset
         self.sizes = tuple(sizes_)
         self.strides = tuple(strides_)
         self.itemsize = itemsize
         self.lo = offset
-        self.hi = offset + extent + itemsize
+        # In bytes: the last element starts at extent - 1.  No element: nothing past lo.
+        self.hi = offset if 0 in sizes_ else extent(sizes_, strides_, offset) - 1 + itemsize
         # Dense: no byte addressed twice, no gap (sorted by stride, each
         # stride is the extent of the dimensions inside it).  Row-major
         # geometry, the usual one, is checked without sorting.

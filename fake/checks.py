@@ -36,7 +36,8 @@ import torch
 
 from .bypass import no_python_dispatch
 from .flat import flatten, unflatten
-from .standin import LIMIT_BYTES, extent, standin_bytes
+from .extent import extent_of
+from .standin import LIMIT_BYTES, standin_bytes
 
 _CPU = torch.device("cpu")
 _STORED = frozenset({"value", "fill_value", "min", "max"})
@@ -270,7 +271,7 @@ def _check_overlap(func, args, kwargs) -> None:
         for x in flat:
             if isinstance(x, torch.Tensor):
                 key = (x.untyped_storage()._cdata, x.dtype)
-                memory[key] = max(memory.get(key, 0), extent(x))
+                memory[key] = max(memory.get(key, 0), extent_of(x))
         memory = {key: torch.zeros(n, dtype=key[1]) for key, n in memory.items()}
         real = []
         for x in flat:

@@ -15,6 +15,7 @@ from .calls import library_call
 from .bypass import no_python_dispatch
 from .checks import check_arguments
 from .device import CPU, META, common_device, kind_of, normalize
+from .extent import extent
 from .errors import FakeDataAccessError, FakeIntoRealError, UnsupportedOperatorError
 from .flat import flatten, flatten_output, unflatten, unflatten_output
 from .opinfo import OpInfo, op_info
@@ -35,9 +36,8 @@ DATA_OPS = {
 def meta_twin(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor with the geometry of real tensor ``t`` (no data is read)."""
     size, stride, offset = t.size(), t.stride(), t.storage_offset()
-    extent = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
     with no_python_dispatch():
-        storage = torch.empty(offset + extent, dtype=t.dtype, device=META)
+        storage = torch.empty(extent(size, stride, offset), dtype=t.dtype, device=META)
         return storage.as_strided(size, stride, offset)
 
 

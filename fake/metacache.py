@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .bypass import no_python_dispatch
+from .extent import extent
 from .flat import Spec, flatten_output, unflatten, unflatten_output
 
 #: Set to False to run every meta kernel (tests compare both).
@@ -83,18 +84,13 @@ def _layout(out, inputs):
                 return _UNCACHEABLE  # outputs sharing memory, or an input's
             storages.add(storage)
             nbytes = y.untyped_storage().nbytes()
-            plain = y.storage_offset() == 0 and nbytes == _extent(y.shape, y.stride()) * y.element_size()
+            plain = y.storage_offset() == 0 and nbytes == extent(y.shape, y.stride()) * y.element_size()
             described.append(("t", tuple(y.shape), y.stride(), y.storage_offset(), y.dtype, nbytes, plain))
         elif type(y) in _HASHABLE:
             described.append(("v", y))
         else:
             return _UNCACHEABLE
     return how, tuple(described)
-
-
-def _extent(size, stride) -> int:
-    """Elements of the smallest storage holding ``size`` at ``stride`` (empty_strided's)."""
-    return 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride))
 
 
 def _rebuild(layout):

@@ -25,6 +25,7 @@ import torch
 
 from .bypass import no_python_dispatch
 from .errors import UnsupportedOperatorError
+from .extent import extent_of
 from .flat import flatten, flatten_output, unflatten, unflatten_output
 
 LIMIT_BYTES = int(os.environ.get("DEFERINIT_STANDIN_LIMIT_BYTES", str(64 << 20)))
@@ -48,21 +49,14 @@ def refusal(func) -> str | None:
     return None
 
 
-def extent(t: torch.Tensor) -> int:
-    """Elements of storage ``t`` spans, its offset included."""
-    if 0 in t.size():
-        return t.storage_offset()
-    return t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))
-
-
 def standin_bytes(margs, mkwargs) -> int:
     """Bytes the stand-ins of the meta tensors in ``margs``/``mkwargs`` would take."""
     flat, _ = flatten(margs, mkwargs)
-    return sum(extent(x) * x.dtype.itemsize for x in flat if isinstance(x, torch.Tensor) and x.is_meta)
+    return sum(extent_of(x) * x.dtype.itemsize for x in flat if isinstance(x, torch.Tensor) and x.is_meta)
 
 
 def _standin(meta: torch.Tensor, fill) -> torch.Tensor:
-    n = extent(meta)
+    n = extent_of(meta)
     if fill is not None and (meta.dtype.is_floating_point or meta.dtype.is_complex):
         storage = torch.rand(n, dtype=meta.dtype, generator=fill)
     else:
@@ -133,14 +127,14 @@ def _to_meta(result, standins):
         meta = by_object.get(id(y))
         if meta is not None:  # an input written in place
             if meta.size() != y.size() or meta.stride() != y.stride():
-                meta.resize_(extent(y)).as_strided_(y.size(), y.stride(), y.storage_offset())
+                meta.resize_(extent_of(y)).as_strided_(y.size(), y.stride(), y.storage_offset())
             out_flat[i] = meta
             continue
         base = by_storage.get(_address(y))
         if base is not None:  # a view of an input
             out_flat[i] = base.as_strided(y.size(), y.stride(), y.storage_offset())
         else:
-            out_flat[i] = torch.empty(extent(y), dtype=y.dtype, device=_META).as_strided(
+            out_flat[i] = torch.empty(extent_of(y), dtype=y.dtype, device=_META).as_strided(
                 y.size(), y.stride(), y.storage_offset()
             )
     return out_flat[0] if how is None else unflatten_output(out_flat, how)

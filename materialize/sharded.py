@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+from deferinit.fake.extent import extent_of
 from deferinit.holdings import module_tensors
 from deferinit.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
@@ -262,11 +263,10 @@ def _first_draw(nodes) -> int:
 
 
 def extent_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """Bytes ``[lo, hi)`` of its storage that ``t`` spans (empty at its offset when zero-size)."""
     size = t.element_size()
-    if t.numel() == 0:
-        return t.storage_offset() * size, t.storage_offset() * size
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+    lo = t.storage_offset() * size
+    return lo, max(lo, extent_of(t) * size)
 
 
 def _compact(group, reals):

@@ -28,6 +28,7 @@ MODULES = [
     "deferinit.fake.storage",
     "deferinit.fake.constants",
     "deferinit.fake.metacache",
+    "deferinit.fake.extent",
     "deferinit.fake.cudnn",
     "deferinit",
     "deferinit.session",

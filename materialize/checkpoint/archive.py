@@ -48,7 +48,6 @@ Example::
 from __future__ import annotations
 
 import io
-import math
 import sys
 import zipfile
 import zlib
@@ -56,6 +55,8 @@ from typing import NamedTuple
 
 import torch
 from torch import _weights_only_unpickler as weights_only
+
+from deferinit.fake.extent import extent
 
 from .pickle_scan import ScanError, guard
 
@@ -318,11 +319,10 @@ def layout(t, records: dict, what: str) -> tuple:
     offset, strides, itemsize = T.storage_offset(t), T.stride(t), t.dtype.itemsize
     if record.unit > 1 and record.unit != itemsize and not (t.dtype.is_complex and 2 * record.unit == itemsize):
         raise ArchiveError(f"{what} is {t.dtype} over a big-endian storage of {record.unit}-byte elements")
-    if math.prod(t.shape):
-        end = (offset + sum((n - 1) * s for n, s in zip(t.shape, strides)) + 1) * itemsize
-        if end > record.nbytes:
-            raise ArchiveError(
-                f"{what} ({list(t.shape)}, strides {list(strides)}, offset {offset}) reaches byte {end} of its "
-                f"record, which has {record.nbytes} (torch.load gives uninitialised memory there)"
-            )
+    end = extent(t.shape, strides, offset) * itemsize  # 0 for a zero-size tensor: it reads nothing
+    if end > record.nbytes:
+        raise ArchiveError(
+            f"{what} ({list(t.shape)}, strides {list(strides)}, offset {offset}) reaches byte {end} of its "
+            f"record, which has {record.nbytes} (torch.load gives uninitialised memory there)"
+        )
     return record, offset, strides

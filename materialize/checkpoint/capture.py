@@ -48,6 +48,7 @@ from deferinit.plain import plain
 from deferinit.recorder import is_deferred_fake
 from deferinit.fake import is_fake
 from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.extent import extent
 from deferinit.fake.opinfo import op_info
 
 from .entries import Entry, MemorySource, read_now
@@ -116,10 +117,8 @@ class StandIns:
     def make(self, entry: Entry) -> torch.Tensor:
         if isinstance(entry.source, (MemorySource, DeferredValue)):
             return entry.source.tensor
-        last = entry.offset + sum((n - 1) * s for n, s in zip(entry.shape, entry.strides) if n > 0)
-        extent = 0 if 0 in entry.shape else last + 1
         with no_python_dispatch():
-            base = torch.empty(extent, dtype=entry.dtype, device="meta")
+            base = torch.empty(extent(entry.shape, entry.strides, entry.offset), dtype=entry.dtype, device="meta")
             t = base.as_strided(entry.shape, entry.strides, entry.offset)
         self._roots[storage_key(base)] = _Root(entry, base)
         return t

@@ -21,6 +21,8 @@ import math
 import numpy
 import torch
 
+from deferinit.fake.extent import extent
+
 # Bytes read into one intermediate buffer when the destination cannot take
 # the file's bytes as they are (another dtype or device).
 CHUNK_BYTES = 64 << 20
@@ -103,8 +105,7 @@ def copy_strided(read, base: int, dtype: torch.dtype, offset: int, sizes, stride
 
 def _copy_span(read, base, dtype, offset, sizes, strides, dst, via) -> int:
     """Many tiny runs (a thin column block): read the span they lie in at once."""
-    last = offset + sum((n - 1) * s for n, s in zip(sizes, strides))
-    span = torch.empty(last - offset + 1, dtype=dtype)
+    span = torch.empty(extent(sizes, strides), dtype=dtype)
     done = copy_strided(read, base, dtype, offset, span.shape, (1,), span)
     piece = span.as_strided(sizes, strides, 0)
     dst.copy_(piece if via is None else piece.to(via))
