@@ -22,18 +22,10 @@ The same as a block::
 """
 
 from .errors import (
-    AutogradMaterializationError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointReadError,
     DataDependentError,
     DeferredInitError,
     DeferredModuleWarning,
     DeferredWriteError,
-    DeviceUnavailableError,
-    ExternalTensorMutatedError,
-    FSDP1DeferredModuleError,
     InferenceTensorInputError,
     MaterializationError,
     MixedFakeError,
@@ -109,6 +101,12 @@ RECORDER.generator_state = _generator_state
 handlers.register_data_access_explainer(_explain_data_access)
 
 
+_MATERIALIZE_ERRORS = (
+    "AutogradMaterializationError", "DeviceUnavailableError", "ExternalTensorMutatedError", "FSDP1DeferredModuleError",
+)
+_CHECKPOINT_ERRORS = ("CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointReadError")
+
+
 def __getattr__(name):
     # The front door re-exports the graphviz view and the materialize layer
     # lazily: importing deferinit stays light and the layers keep pointing
@@ -121,6 +119,15 @@ def __getattr__(name):
         from deferinit import materialize
 
         return getattr(materialize, name)
+    # The errors of the layers above live beside the code that raises them.
+    if name in _MATERIALIZE_ERRORS:
+        from deferinit.materialize import errors
+
+        return getattr(errors, name)
+    if name in _CHECKPOINT_ERRORS:
+        from deferinit.materialize.checkpoint import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'deferinit' has no attribute {name!r}")
 
 

@@ -1,15 +1,15 @@
-"""Errors of the DeferredInit and Materialize layers.
+"""Errors of the DeferredInit layer, and the bases the layers above derive from.
 
 Each names the operation, where it happened (the module classes being
 constructed, or the qualified name of the tensor being materialized) and
-what to do about it.  The catalogue with causes and fixes is in
-``docs/errors.md``.
+what to do about it.  ``MaterializationError`` and ``ReplayError`` live here
+because the plan (``deferinit/plan.py``) raises them too; the Materialize
+layer's own errors are in ``materialize/errors.py``, the checkpoint reader's
+in ``materialize/checkpoint/errors.py``, and ``deferinit`` exports them all.
+The catalogue with causes and fixes is in ``docs/errors.md``.
 """
 
 from __future__ import annotations
-
-import errno
-import os
 
 
 class DeferredInitError(RuntimeError):
@@ -49,65 +49,21 @@ class MaterializationError(DeferredInitError):
     """Replaying the record failed; nothing was changed."""
 
 
-class ExternalTensorMutatedError(MaterializationError):
-    """An outside tensor used while recording was modified in place since."""
-
-
-class DeviceUnavailableError(MaterializationError):
-    """The device to materialize on does not exist in this process."""
 
 
 class ReplayError(MaterializationError):
     """An operation failed while being replayed."""
 
 
-class AutogradMaterializationError(MaterializationError):
-    """A tensor computed with autograd cannot get eager's autograd graph."""
 
 
-class CheckpointError(DeferredInitError):
-    """``load_checkpoint`` cannot use its source: a missing or unreadable file, a
-    corrupt header, a format it does not know.  Nothing was recorded or loaded."""
 
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """The checkpoint, or a file its index names, does not exist.  Also a
-    ``FileNotFoundError`` (``errno.ENOENT``, ``filename`` the path), as code
-    written for ``torch.load`` and safetensors expects.  Nothing was recorded
-    or loaded."""
-
-    def __init__(self, message: str, filename: str | None = None):
-        super().__init__(message)
-        self.errno = errno.ENOENT
-        self.strerror = os.strerror(errno.ENOENT)
-        self.filename = filename
-
-    def __str__(self) -> str:
-        return self.args[0] if self.args else ""
-
-    def __reduce__(self):
-        return type(self), (str(self), self.filename)
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint does not fit the module: shapes differ, or (with
-    ``strict=True``) keys are missing or unexpected.  Nothing was recorded or loaded."""
-
-
-class CheckpointReadError(MaterializationError):
-    """A checkpoint recorded by ``load_checkpoint`` could not be read while
-    materializing (the file is gone, truncated or changed); nothing was changed."""
 
 
 class DeferredWriteError(RecordingError):
     """A computation that is not recorded (a forward pass or an optimizer step
     on a still-deferred model outside ``fake_mode``) wrote a deferred tensor."""
 
-
-class FSDP1DeferredModuleError(DeferredInitError):
-    """``FullyShardedDataParallel`` (FSDP1) flattened deferred parameters it did not
-    materialize: it was built outside ``deferinit.materialize.distributed.fsdp1_hooks()``,
-    or its ``param_init_fn`` left them deferred."""
 
 
 #: How FSDP1 is built on a deferred model, for the messages that point to it.

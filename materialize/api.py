@@ -6,7 +6,6 @@ import gc
 
 import torch
 
-from deferinit.errors import AutogradMaterializationError
 from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry
 from deferinit.fake.locking import locked
@@ -16,6 +15,7 @@ from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 from deferinit.wrappers import inner_tensors, wrapper_layers
 
+from .errors import AutogradMaterializationError
 from .autograd import (
     Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
     with_fresh_graphs,

@@ -24,12 +24,13 @@ from __future__ import annotations
 import torch
 
 from deferinit.consumption import fallback
-from deferinit.errors import DeviceUnavailableError
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.jumps import Cursor, checked, draw_part
 from deferinit.realdraws import with_generator
 from deferinit.record import FOREIGN
 from deferinit.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
+
+from .errors import DeviceUnavailableError
 
 
 class Draws:

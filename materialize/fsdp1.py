@@ -10,10 +10,11 @@ import types
 
 import torch
 
-from deferinit.errors import FSDP1_FIX, FSDP1DeferredModuleError
+from deferinit.errors import FSDP1_FIX
 from deferinit.patches import shared_patch
 from deferinit.session import is_deferred
 
+from .errors import FSDP1DeferredModuleError
 from .api import materialize_module
 
 
@@ -86,7 +87,7 @@ def explain_data_access(error, fake):
 
         >>> model = FSDP(deferred_init(Net), param_init_fn=lambda m: materialize_module(m))
         Traceback (most recent call last):
-        deferinit.errors.FSDP1DeferredModuleError: FullyShardedDataParallel (FSDP1) is flattening ...
+        deferinit.materialize.errors.FSDP1DeferredModuleError: FullyShardedDataParallel (FSDP1) is flattening ...
     """
     if not getattr(fake, "_is_flat_param", False):
         return None

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.errors import AutogradMaterializationError
-
+from .errors import AutogradMaterializationError
 from .autograd import Binder, grad_fn_of, is_grad_view
 
 

@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError, MaterializationError, ReplayError
+from deferinit.errors import MaterializationError, ReplayError
 from deferinit.graph import Input, Node
 from deferinit.liveness import GENERATOR, RUN
 from deferinit.plan import Plan, real_read, read_of
@@ -29,6 +29,7 @@ from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.flat import flatten_output, unflatten
 from deferinit.fake.tensor import describe
 
+from .errors import DeviceUnavailableError, ExternalTensorMutatedError
 from .autograd import real_root
 from .gradcalls import GradCalls
 from .draws import Draws

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.errors import AutogradMaterializationError, MaterializationError
+from deferinit.errors import MaterializationError
 from deferinit.fake.assign import _hooks_follow, exchange
 from deferinit.fake.tensor import INTERNAL_ATTRS
 
+from .errors import AutogradMaterializationError
 from .autograd import grad_fn_of, is_grad_view
 
 

@@ -52,11 +52,25 @@ def test_error_hierarchy():
         assert issubclass(cls, MaterializationError)
     assert issubclass(DeferredInitError, RuntimeError)
     assert issubclass(FakeDataAccessError, FakeTensorError) and issubclass(FakeTensorError, RuntimeError)
-    for name in ("AutogradMaterializationError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointReadError",
-                 "DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
-                 "DeviceUnavailableError", "ExternalTensorMutatedError",
-                 "InferenceTensorInputError", "PendingDrawsWarning", "MaterializationError", "MixedFakeError", "RecordingError", "ReplayError"):
-        assert getattr(deferinit, name).__module__ == "deferinit.errors"
+    # Each class lives beside the layer that raises it; the front door exports them all.
+    beside = {
+        "deferinit.errors": (
+            "DataDependentError", "DeferredInitError", "DeferredModuleWarning", "DeferredWriteError",
+            "InferenceTensorInputError", "PendingDrawsWarning", "MaterializationError", "MixedFakeError",
+            "RecordingError", "ReplayError", "UnsupportedCallError", "UnsupportedModeError",
+        ),
+        "deferinit.materialize.errors": (
+            "AutogradMaterializationError", "DeviceUnavailableError", "ExternalTensorMutatedError", "FSDP1DeferredModuleError",
+        ),
+        "deferinit.materialize.checkpoint.errors": (
+            "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "CheckpointReadError",
+        ),
+    }
+    for module, names in beside.items():
+        for name in names:
+            assert getattr(deferinit, name).__module__ == module and name in deferinit.__all__
+    exported = {name for name in deferinit.__all__ if name.endswith(("Error", "Warning"))}
+    assert exported == {name for names in beside.values() for name in names}
 
 
 # -- 1. data access on a random value of an absent device ---------------------

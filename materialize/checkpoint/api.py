@@ -6,11 +6,11 @@ from collections.abc import Mapping
 
 import torch
 
-from deferinit.errors import CheckpointError
 from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry
 from deferinit.fake.locking import locked
 
+from .errors import CheckpointError
 from .capture import Capture, StandIns, Targets, leaked, walk
 from .loading import Loader
 from .matching import LoadResult, map_keys, map_metadata, result_of

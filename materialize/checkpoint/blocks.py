@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from deferinit.errors import CheckpointError
+from .errors import CheckpointError
 
 
 def local_block(key: str, tensor) -> tuple[tuple, tuple]:

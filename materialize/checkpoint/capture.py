@@ -43,7 +43,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from deferinit.errors import CheckpointError
 from deferinit.plain import plain
 from deferinit.recorder import is_deferred_fake
 from deferinit.fake import is_fake
@@ -51,6 +50,7 @@ from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.extent import extent
 from deferinit.fake.opinfo import op_info
 
+from .errors import CheckpointError
 from .entries import Entry, MemorySource, read_now
 from .sources import DeferredValue
 

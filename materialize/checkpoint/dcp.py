@@ -38,8 +38,8 @@ from typing import NamedTuple
 import torch
 
 from deferinit.boxes import as_box, intersect, slab
-from deferinit.errors import CheckpointError
 
+from .errors import CheckpointError
 from .archive import ArchiveError, Record, layout, read_archive
 from .copying import copy_strided
 from .dcp_metadata import METADATA, read_metadata, tensors

@@ -32,8 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from deferinit.errors import CheckpointError, CheckpointNotFoundError
-
+from .errors import CheckpointError, CheckpointNotFoundError
 from .files import open_regular
 from .index import inside
 from .pickle_scan import MAX_PICKLE, RestrictedUnpickler, ScanError, allowed, guard, short

@@ -17,7 +17,8 @@ import math
 import torch
 
 from deferinit.boxes import contiguous_strides  # noqa: F401 (re-exported)
-from deferinit.errors import CheckpointError, CheckpointReadError
+
+from .errors import CheckpointError, CheckpointReadError
 
 
 class Entry:

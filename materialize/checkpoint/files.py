@@ -25,8 +25,7 @@ import struct
 import numpy
 import torch
 
-from deferinit.errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
-
+from .errors import CheckpointError, CheckpointNotFoundError, CheckpointReadError
 from .archive import ArchiveError, inflate, layout, read_archive
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
@@ -320,7 +319,7 @@ def open_regular(path: str, error=CheckpointError):
         >>> open_regular("/dev/zero")
         Traceback (most recent call last):
         ...
-        deferinit.errors.CheckpointError: /dev/zero is a character device, not a regular file: ...
+        deferinit.materialize.checkpoint.errors.CheckpointError: /dev/zero is a character device, not a regular file: ...
     """
     try:
         # Non-blocking: opening a FIFO would wait for a writer.

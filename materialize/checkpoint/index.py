@@ -16,8 +16,7 @@ from __future__ import annotations
 import json
 import os
 
-from deferinit.errors import CheckpointError
-
+from .errors import CheckpointError
 from .files import open_regular
 
 # An index names each tensor's file: transformers' largest are a few MiB.
@@ -51,7 +50,7 @@ def inside(folder: str, name, what: str) -> str:
         >>> inside(folder, "../secret.safetensors", "the index")
         Traceback (most recent call last):
         ...
-        deferinit.errors.CheckpointError: the index names '../secret.safetensors', a path outside ...
+        deferinit.materialize.checkpoint.errors.CheckpointError: the index names '../secret.safetensors', a path outside ...
     """
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{what} names {name!r}, not a file name.")

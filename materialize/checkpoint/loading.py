@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.errors import CheckpointError, CheckpointReadError, RecordingError
+from deferinit.errors import RecordingError
 from deferinit.graph import Input, Node
 from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from deferinit.fake import is_fake
 from deferinit.fake.flat import flatten
 
+from .errors import CheckpointError, CheckpointReadError
 from .blocks import local_block
 from .capture import is_dtensor, storage_key
 from .entries import MemorySource, read_now

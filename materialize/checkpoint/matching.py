@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from deferinit.errors import CheckpointError, CheckpointMismatchError
+from .errors import CheckpointError, CheckpointMismatchError
+
 
 # Keys (or messages) shown in an error before "and N more".
 SHOWN = 5

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.errors import CheckpointError
+from .errors import CheckpointError
+
 
 MAX_DEPTH = 100
 # Characters of all the dotted keys built, together.
@@ -35,7 +36,7 @@ def flatten_tensors(obj, error=CheckpointError, what: str = "the state dict") ->
         >>> flatten_tensors({"a": inner, "b": inner})
         Traceback (most recent call last):
         ...
-        deferinit.errors.CheckpointError: the state dict holds one dict under both 'a' and 'b' ...
+        deferinit.materialize.checkpoint.errors.CheckpointError: the state dict holds one dict under both 'a' and 'b' ...
     """
     if isinstance(obj, torch.Tensor):
         return [("", obj)]

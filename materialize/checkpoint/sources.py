@@ -26,9 +26,9 @@ from collections.abc import Mapping
 
 import torch
 
-from deferinit.errors import CheckpointError, CheckpointNotFoundError
 from deferinit.fake import is_fake
 
+from .errors import CheckpointError, CheckpointNotFoundError
 from .dcp import is_dcp_directory, open_dcp
 from .entries import Entry, MemorySource
 from .files import SafetensorsFile, TorchFile, is_torch_zip, open_regular
