@@ -7,8 +7,8 @@
    the bytes it keeps after materialization, the largest transient (the
    full parameter a replay computes before cutting this rank's slice) and
    their sum, the rank's peak, all read from the record by
-   ``deferinit.materialize.distributed.sharded_memory_plan``; and the time to record
-   the model, to shard it and to plan.
+   ``deferinit.materialize.distributed.sharded_memory_cost``; and the time to record
+   the model, to shard it and to estimate.
 2. **For real.**  A 1.1B-parameter Llama (bf16) sharded over 8 ranks: rank
    0's shards are materialized (and checked against eager slices), next to
    eager construction of the whole model: time and measured peak resident
@@ -113,7 +113,7 @@ def reset_peak() -> bool:
 
 
 def child_paper(world: int, rank: int, quick: bool) -> dict:
-    from deferinit.materialize.distributed import sharded_memory_plan
+    from deferinit.materialize.distributed import sharded_memory_cost
 
     big, _ = configs(quick)
     with fake_rank(rank, world):
@@ -126,7 +126,7 @@ def child_paper(world: int, rank: int, quick: bool) -> dict:
         shard(model)
         shard_s = time.perf_counter() - start
         start = time.perf_counter()
-        plan = sharded_memory_plan(model)
+        plan = sharded_memory_cost(model)
         plan_s = time.perf_counter() - start
         kept = sum(g.kept_bytes for g in plan)
         largest = max(plan, key=lambda g: g.transient_bytes)
@@ -141,7 +141,7 @@ def child_real(world: int, rank: int, quick: bool) -> dict:
     import torch
 
     from deferinit.materialize import materialize_module
-    from deferinit.materialize.distributed import sharded_memory_plan
+    from deferinit.materialize.distributed import sharded_memory_cost
 
     _, small = configs(quick)
     measured = reset_peak()
@@ -161,7 +161,7 @@ def child_real(world: int, rank: int, quick: bool) -> dict:
         model = build(small, deferred=True)
         shard(model)
         prepare_s = time.perf_counter() - start
-        plan = sharded_memory_plan(model)
+        plan = sharded_memory_cost(model)
         planned = sum(g.kept_bytes for g in plan) + max(g.transient_bytes for g in plan)
         expected_bytes = sum(t.numel() * t.element_size() for t in expected.values())
         gc.collect()
@@ -217,7 +217,7 @@ def main(quick: bool = False) -> str:
         ["eager construction, whole model", f"{real['eager_s']:.2f} s", mib(real["eager_peak"]), mib(real["full"])],
         ["`deferred_init` + `fully_shard`", f"{real['prepare_s']:.2f} s", "–", "0 MiB"],
         ["`materialize_module`, rank 0's shards", f"{real['materialize_s']:.2f} s", mib(real["peak"]), mib(real["kept"])],
-        ["planned by `sharded_memory_plan`", "", mib(real["planned"]), ""],
+        ["estimated by `sharded_memory_cost`", "", mib(real["planned"]), ""],
     ]
     ratio_t = real["materialize_s"] / real["eager_s"]
     ratio_m = real["peak"] / real["eager_peak"] if real["eager_peak"] > 0 and real["peak"] >= 0 else float("nan")
@@ -228,7 +228,7 @@ def main(quick: bool = False) -> str:
         "decoder layer and root, one rank played through the fake process group; nothing is allocated:",
         "",
         table(["ranks", "rank", "rank keeps", "largest transient (tensor)", "rank's peak", "peak / model",
-               "replays", "record", "fully_shard", "plan"], rows),
+               "replays", "record", "fully_shard", "estimate"], rows),
         "",
         f"{real['params'] / 1e9:.2f}B-parameter Llama (bf16), rank 0 of 8, materialized for real "
         f"(shards equal eager's slices: {'yes' if real['exact'] else 'NO'}):",

@@ -17,7 +17,7 @@ import functools
 
 import torch.nn.init as _init
 
-from deferinit.fake.patch import SharedPatch, shared_patch  # noqa: F401 (SharedPatch: re-exported)
+from deferinit.fake.patch import shared_patch
 
 from .recorder import RECORDER, is_deferred_fake
 

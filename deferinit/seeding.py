@@ -51,9 +51,9 @@ import torch
 
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.device import normalize
+from deferinit.fake.patch import shared_patch
 from deferinit.fake.tensor import FakeTensor
 
-from .patches import shared_patch
 from .record import CHAINS, FOREIGN, LINEAGE, Record, current_record
 from .recorder import RECORDER
 from .rng import (

@@ -46,7 +46,7 @@ PUBLIC = [
     ("deferinit.fake", ["FakeTensorError", "FakeDataAccessError", "FakeIntoRealError", "UnsupportedOperatorError"]),
     ("deferinit.dot", ["write", "GraphViewError", "GraphvizNotFoundError", "GraphFormatError"]),
     ("deferinit.collectives", ["CollectiveError"]),
-    ("deferinit.materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_plan", "fsdp_held_fakes"]),
+    ("deferinit.materialize.distributed", ["param_init_fn", "fsdp1_hooks", "sharded_memory_cost", "fsdp_held_fakes"]),
     (
         "deferinit.planning",
         [

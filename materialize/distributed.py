@@ -2,8 +2,8 @@
 
 The public names of sharded materialization, in one place:
 :func:`materialize_sharded` and :func:`fsdp_held_fakes` (FSDP2 and tensor
-parallel, :mod:`deferinit.materialize.sharded`), :func:`sharded_memory_plan` and
-:class:`GroupPlan` (:mod:`deferinit.materialize.memory_plan`), :func:`param_init_fn`
+parallel, :mod:`deferinit.materialize.sharded`), :func:`sharded_memory_cost` and
+:class:`GroupCost` (:mod:`deferinit.materialize.sharded_cost`), :func:`param_init_fn`
 and :func:`fsdp1_hooks` (FSDP1, :mod:`deferinit.materialize.fsdp1`).
 :func:`deferinit.materialize.materialize_module` uses the sharded path by itself
 whenever a module holds DTensors.
@@ -19,14 +19,18 @@ Example (on every rank of a process group)::
 """
 
 from .fsdp1 import fsdp1_hooks, param_init_fn
-from .memory_plan import GroupPlan, sharded_memory_plan
+from .sharded_cost import GroupCost, sharded_memory_cost
 from .sharded import fsdp_held_fakes, materialize_sharded
 
 __all__ = [
     "fsdp1_hooks",
     "fsdp_held_fakes",
-    "GroupPlan",
+    "GroupCost",
     "materialize_sharded",
     "param_init_fn",
-    "sharded_memory_plan",
+    "sharded_memory_cost",
 ]
+
+# The former names (a cost estimate, not a plan anything follows), kept for callers.
+sharded_memory_plan = sharded_memory_cost
+GroupPlan = GroupCost

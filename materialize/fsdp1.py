@@ -11,7 +11,7 @@ import types
 import torch
 
 from deferinit.errors import FSDP1_FIX
-from deferinit.patches import shared_patch
+from deferinit.fake.patch import shared_patch
 from deferinit.session import is_deferred
 
 from .errors import FSDP1DeferredModuleError

@@ -208,9 +208,9 @@ def case_memory(rank: int, world_size: int) -> dict:
     fully_shard(model)
     param_mib = 8.0
     shards_mib = param_mib * len(model.layers) / world_size
-    from deferinit.materialize.distributed import sharded_memory_plan
+    from deferinit.materialize.distributed import sharded_memory_cost
 
-    plan = sharded_memory_plan(model)
+    plan = sharded_memory_cost(model)
     planned = (sum(g.kept_bytes for g in plan) + max(g.transient_bytes for g in plan)) / 2**20
     try:
         with open("/proc/self/clear_refs", "w") as f:

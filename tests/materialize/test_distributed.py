@@ -51,8 +51,15 @@ def test_fsdp2_peak_memory_is_shards_plus_one_full_parameter():
         # every full parameter plus the shards (96 MiB here).
         assert r["peak"] <= r["shards"] + 1.5 * r["param"] + 4, r
         assert r["after"] <= r["shards"] + 4, r
-        # The plan read from the record: the shards plus one full parameter.
+        # The estimate read from the record: the shards plus one full parameter.
         assert r["planned"] == r["shards"] + r["param"], r
+
+
+def test_sharded_memory_cost_keeps_its_former_names():
+    from deferinit.materialize import distributed
+
+    assert distributed.sharded_memory_plan is distributed.sharded_memory_cost
+    assert distributed.GroupPlan is distributed.GroupCost
 
 
 def test_fsdp2_progress_counts_each_ranks_shards():

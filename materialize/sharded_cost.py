@@ -13,7 +13,7 @@ from deferinit.fake.opinfo import op_info
 from .sharded import extent_bytes, held_only_by, group_closure, groups
 
 
-class GroupPlan(NamedTuple):
+class GroupCost(NamedTuple):
     """What materializing one group of aliasing tensors costs on this rank."""
 
     names: list  # the tensors (a parameter's shard, FSDP's padded buffer...)
@@ -21,10 +21,10 @@ class GroupPlan(NamedTuple):
     transient_bytes: int  # memory its replay allocates and frees again
 
 
-def sharded_memory_plan(module: torch.nn.Module) -> list[GroupPlan]:
+def sharded_memory_cost(module: torch.nn.Module) -> list[GroupCost]:
     """How :func:`deferinit.materialize.materialize_module` would materialize ``module`` on
     this rank, from the record alone (nothing is allocated): one
-    :class:`GroupPlan` per replay, in replay order.
+    :class:`GroupCost` per replay, in replay order.
 
     The rank's peak is about ``sum(kept_bytes)`` plus the largest
     ``transient_bytes`` (a full parameter, for FSDP2).  Bytes are estimated
@@ -33,11 +33,11 @@ def sharded_memory_plan(module: torch.nn.Module) -> list[GroupPlan]:
 
     Example::
 
-        >>> plan = sharded_memory_plan(fsdp_model)
-        >>> sum(g.kept_bytes for g in plan), max(g.transient_bytes for g in plan)
+        >>> cost = sharded_memory_cost(fsdp_model)
+        >>> sum(g.kept_bytes for g in cost), max(g.transient_bytes for g in cost)
         (2204760064, 2101346304)
     """
-    plans = []
+    costs = []
     for group in groups(module, deferred_tensors(module)):
         nodes = group_closure(group)
         shadow_storage = group[0][1]._shadow.untyped_storage().nbytes()
@@ -51,8 +51,8 @@ def sharded_memory_plan(module: torch.nn.Module) -> list[GroupPlan]:
         for value in _values_read(nodes, group):
             if value.storage is not storage:
                 allocated += _allocates(value)
-        plans.append(GroupPlan([name for name, _ in group], kept, allocated))
-    return plans
+        costs.append(GroupCost([name for name, _ in group], kept, allocated))
+    return costs
 
 
 def _values_read(nodes, group):
