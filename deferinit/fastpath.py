@@ -198,7 +198,7 @@ def _fill(op):
         _default_dtype_node(node)
         node.writes = (0,)
         if "_data_alias" in d:
-            node.data_writes = (0,)
+            node.own_autograd().data_writes = (0,)
         if random:
             record.add_random(node, key_of_generator(generator) if generator is not None else d["_device"], storage)
         storage.head = node

@@ -40,23 +40,26 @@ def _is_leaf(x: FakeTensor) -> bool:
 
 
 def note_autograd(node: Node, info, flat, args, kwargs) -> None:
-    """Note on ``node`` what autograd saw of its call (see :class:`deferinit.graph.Node`)."""
+    """Note on ``node`` what autograd saw of its call (see :class:`deferinit.graph.AutogradFacts`)."""
     grad_mode = _grad_enabled()
     if info.view_arg is not None:
         # Autograd marks every view with the grad mode it was taken in
         # (an in-place op may later need it), and a view taken under
         # no_grad of a tensor that requires grad requires grad too.
-        node.grad = autograd_reads(flat, view=True)
-        node.no_grad = not grad_mode
+        facts = node.own_autograd()
+        facts.grad = autograd_reads(flat, view=True)
+        facts.no_grad = not grad_mode
         base = info.arg(args, kwargs, info.view_arg)
         if isinstance(base, torch.Tensor) and not base.is_inference():  # inference: no version counter
             # The version the view starts from: autograd regenerates its
             # grad_fn once the version counter it shares moved on.
-            node.base_version = base._version
+            facts.base_version = base._version
     elif grad_mode:
-        node.grad = autograd_reads(flat)
-        if node.grad is not None:
-            node.read_versions = view_versions(flat)
+        grad = autograd_reads(flat)
+        if grad is not None:
+            facts = node.own_autograd()
+            facts.grad = grad
+            facts.read_versions = view_versions(flat)
 
 
 def note_writes(node: Node, flat) -> None:
@@ -67,10 +70,10 @@ def note_writes(node: Node, flat) -> None:
     autograd regenerate, where this one does not."""
     data = tuple(i for i in node.writes if "_data_alias" in flat[i].__dict__)
     if data:
-        node.data_writes = data
+        node.own_autograd().data_writes = data
     plain = tuple(i for i in node.writes if not flat[i].requires_grad)
     if plain:
-        node.plain_writes = plain
+        node.own_autograd().plain_writes = plain
 
 
 def note_set_with_grad(node: Node, fake: FakeTensor, pos: int) -> None:
@@ -85,7 +88,8 @@ def note_set_with_grad(node: Node, fake: FakeTensor, pos: int) -> None:
         return
     leaf = fake.__dict__.get("_leaf")
     if leaf is not None and not fake.requires_grad:
-        node.grad = tuple((p, leaf if p == pos else x) for p, x in node.grad)
+        facts = node.own_autograd()
+        facts.grad = tuple((p, leaf if p == pos else x) for p, x in facts.grad)
         leaf.changed(True)
 
 
@@ -134,7 +138,7 @@ def requires_grad_changed(x: FakeTensor) -> None:
 def view_versions(flat) -> tuple:
     """``(position, version)`` of the fake views a call autograd saw reads: a
     view's ``grad_fn`` is regenerated once its version moved on since it was
-    taken (:attr:`deferinit.graph.Node.base_version`)."""
+    taken (:attr:`deferinit.graph.AutogradFacts.base_version`)."""
     return tuple(
         (i, x._version) for i, x in enumerate(flat)
         if isinstance(x, FakeTensor) and x._is_view() and not x.is_inference()
@@ -158,7 +162,7 @@ def data_node(old: Input, new: Input) -> Node:
     node = Node("op", _SET, [old, new], _SET_SPEC)
     node.writes = (0,)
     node.reshapes = True
-    node.data_swap = True
+    node.own_autograd().data_swap = True
     return node
 
 

@@ -44,6 +44,51 @@ def event_seq() -> tuple[int, int]:
     return (peek_seq(), next(_events))
 
 
+class AutogradFacts:
+    """What autograd saw of one recorded call, noted by :mod:`deferinit.grad`:
+    what replay needs to build eager's autograd graph on the same leaf
+    objects (``materialize/autograd.py``, ``materialize/gradcalls.py``).
+
+    Every node reads :data:`NOTHING_SEEN` until a note gives it its own
+    (:meth:`Node.own_autograd`); like the node's, the fields left at their
+    default are class attributes.
+    """
+
+    # Not None when autograd saw this call eagerly (a view, or an input
+    # requiring grad under grad mode): ``((position in flat, Leaf), ...)``
+    # for the inputs that were leaves requiring grad, so that replay can
+    # build the same autograd graph on the same leaf objects, and
+    # ``(position, None)`` for inputs that did not require grad; ``no_grad``
+    # when grad mode was off (a view of a parameter taken under no_grad).
+    grad = None
+    no_grad = False
+    # For a view: its base's version counter when it was taken (autograd
+    # regenerates a view's grad_fn once that counter moved on).
+    base_version = None
+    # For a call autograd saw: ``((position, version), ...)`` of the views
+    # it read (their version counter then).
+    read_versions = ()
+    # Positions in ``flat`` of the inputs it writes that required no grad,
+    # and of those it writes through ``t.data`` (a version counter of its own).
+    plain_writes = ()
+    data_writes = ()
+    # ``t.data = new`` on a tensor with a graph (a ``set_`` node; see
+    # :func:`deferinit.grad.data_node`).
+    data_swap = False
+
+    def __repr__(self) -> str:
+        return f"<AutogradFacts {self.__dict__}>"
+
+
+class _NothingSeen(AutogradFacts):
+    def __setattr__(self, name, value):
+        raise AttributeError("NOTHING_SEEN is shared by every node: note on node.own_autograd()")
+
+
+NOTHING_SEEN = _NothingSeen()
+"""The facts of a call autograd saw nothing of: every field at its default."""
+
+
 class Node:
     """One recorded call.
 
@@ -54,7 +99,9 @@ class Node:
     ``"load"`` (a write of the tensor read in ``flat[0]`` with the checkpoint
     tensor in ``payload``; see :mod:`deferinit.materialize.checkpoint`).
     ``flat``/``spec`` are the flattened ``(args, kwargs)`` with
-    :class:`Input` in place of tensors.
+    :class:`Input` in place of tensors.  ``autograd`` is what autograd saw of
+    the call (:class:`AutogradFacts`).  Analyses keep what they find in
+    tables of their own, not on the node (see :mod:`deferinit.liveness`).
     """
 
     # No __slots__: the fields most nodes leave at their default are class
@@ -65,12 +112,6 @@ class Node:
     # when recorded, ``(storage, dtype, offset, shape, stride, conj, neg)``; replay reads them
     # if the tensor was pointed at other memory since (``t.data = other``).
     memory = None
-    # For a view: its base's version counter when it was taken (autograd
-    # regenerates a view's grad_fn once that counter moved on).
-    base_version = None
-    # For a call autograd saw: ``((position, version), ...)`` of the views
-    # it read (their version counter then).
-    read_versions = ()
     # (weak reference to the record stream, index in that stream) for nodes
     # that draw random numbers, else None.
     rng = None
@@ -81,33 +122,18 @@ class Node:
     # in-place draw's is its written input's): how many words it draws
     # depends on it (deferinit.consumption).
     filled = None
-    # True for a draw whose values only checkpoint loads overwrite (set by
-    # the liveness pass): the generators do not wait for it.
-    hidden_by_load = False
     # True for an operator recorded after deferred_init returned (a change of
     # the model, such as load_state_dict's copies): see effects.is_load.
     after_deferral = False
     # True when the node changes the geometry of a tensor in place
     # (t_(), resize_(), set_()): replay runs it on an alias.
     reshapes = False
-    # Positions in ``flat`` of the inputs it writes that required no grad,
-    # and of those it writes through ``t.data`` (a version counter of its own).
-    plain_writes = ()
-    data_writes = ()
-    # ``t.data = new`` on a tensor with a graph (a ``set_`` node; see
-    # :func:`deferinit.grad.data_node`).
-    data_swap = False
     # Positions in ``flat`` of the inputs this node writes in place.
     writes = ()
     default_dtype = None
-    # Not None when autograd saw this call eagerly (a view, or an input
-    # requiring grad under grad mode): ``((position in flat, Leaf), ...)``
-    # for the inputs that were leaves requiring grad, so that replay can
-    # build the same autograd graph on the same leaf objects, and
-    # ``(position, None)`` for inputs that did not require grad; ``no_grad``
-    # when grad mode was off (a view of a parameter taken under no_grad).
-    grad = None
-    no_grad = False
+    # What autograd saw: NOTHING_SEEN (shared, never written) until a note
+    # gives the node its own (own_autograd()).
+    autograd = NOTHING_SEEN
 
     def __init__(self, kind, target, flat=(), spec=None, payload=None):
         self.seq = next(_seq)
@@ -117,6 +143,13 @@ class Node:
         self.spec = spec
         if payload is not None:
             self.payload = payload
+
+    def own_autograd(self) -> "AutogradFacts":
+        """This node's own :class:`AutogradFacts`, made on the first note (for the recorder)."""
+        facts = self.__dict__.get("autograd")
+        if facts is None:
+            facts = self.autograd = AutogradFacts()
+        return facts
 
     @property
     def inputs(self):
@@ -132,6 +165,7 @@ class Node:
 
     def __repr__(self) -> str:
         return f"<Node %{self.seq} {self.name}>"
+
 
 
 class Storage:

@@ -28,8 +28,9 @@ end) are replayed **for the generator**: in-place fills draw into scratch
 memory of the same geometry, freed at once.  Dead draws that a *load* hides
 (a checkpoint load, or a ``copy_`` from a real tensor made after deferral,
 as ``load_state_dict`` makes: :func:`~deferinit.effects.is_load`) are
-marked ``hidden_by_load``: :mod:`deferinit.materialize.generators` does not replay
-them to reach the end of a stream.
+remembered in this pass's own table (:func:`hidden_by_load`; the graph
+holds no analysis results): :mod:`deferinit.materialize.generators` does not
+replay them to reach the end of a stream.
 
 Values whose storage is gone (temporaries nobody holds any more) and
 storages whose geometry changed in place (``t_()``, ``set_()``) are not
@@ -47,6 +48,8 @@ Example::
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -67,6 +70,18 @@ GENERATOR = "generator"  # only for the state it leaves the generator in
 DIRECT = "direct"  # a copy_ that reads a checkpoint straight into its destination
 
 _HUGE = 1 << 62
+
+# Draws whose values only loads overwrite, as any replay so far found them;
+# a draw leaves with its node.
+_HIDDEN_BY_LOAD: weakref.WeakSet = weakref.WeakSet()
+
+
+def hidden_by_load(node) -> bool:
+    """Whether a liveness pass found that only checkpoint loads (or
+    ``load_state_dict``'s copies) overwrite the values random ``node`` draws:
+    the generators do not wait for it (it is the initialization the load
+    replaces)."""
+    return node in _HIDDEN_BY_LOAD
 
 _VIEW_OPS: dict = {}  # id(op) -> whether it makes a view (OpOverload's hash is Python code)
 
@@ -106,7 +121,7 @@ class Liveness:
             for nid in self._hidden_by_loads():
                 node = universe[nid]
                 if node.rng is not None:
-                    node.hidden_by_load = True
+                    _HIDDEN_BY_LOAD.add(node)
 
     def _settle(self, gen: set) -> set:
         """Scan until every draw a drawing node needs is drawn; returns the draws

@@ -207,7 +207,7 @@ class Recorder(FakeHandler):
             if not isinstance(fake, FakeTensor):
                 continue
             if is_set:
-                if node.grad is not None:
+                if node.autograd.grad is not None:
                     note_set_with_grad(node, fake, positions[0])
                 source = info.arg(args, kwargs, 1) if len(func._schema.arguments) > 1 else None
                 fake.__dict__["_storage"] = source._storage if isinstance(source, FakeTensor) else Storage()
@@ -297,7 +297,7 @@ class Recorder(FakeHandler):
         record.add_random(node, stream_key(kwargs, tensor.device), tensor._storage)
         node.writes = (0,)
         if "_data_alias" in tensor.__dict__:
-            node.data_writes = (0,)
+            node.own_autograd().data_writes = (0,)
         tensor._storage.head = node
         return tensor
 

@@ -5,7 +5,7 @@ not a leaf: its ``grad_fn`` leads to ``w``, and ``backward()`` puts the
 gradient on ``w``.  The fakes know this (autograd runs above the Fake layer,
 so a fake has the ``grad_fn`` its eager twin has), and the record knows
 which calls autograd saw and which leaf objects they read
-(``Node.grad``, :class:`deferinit.graph.Leaf`).  Replay runs those calls
+(``Node.autograd.grad``, :class:`deferinit.graph.Leaf`).  Replay runs those calls
 with grad enabled on the very leaf objects that will be swapped into the
 fakes (:class:`Binder` makes them, dressed, when first read), so the real
 tensor gets the same graph on the same leaves (the calls themselves run in
@@ -154,10 +154,10 @@ def real_root(value):
     which may have changed since it became real."""
     while True:
         node = value.node
-        if node.grad is None or node.kind != "op" or op_info(node.target).view_arg is None:
+        if node.autograd.grad is None or node.kind != "op" or op_info(node.target).view_arg is None:
             return None
         base = None
-        for pos, leaf in node.grad:
+        for pos, leaf in node.autograd.grad:
             if leaf is not None and leaf.real is not None:
                 return leaf
         for x in node.flat:
@@ -262,8 +262,8 @@ class Binder:
         # (their base was written since they were taken).
         self.regenerate = {
             id(fake._value.node) for fake in self.targets
-            if fake._is_view() and fake._value.node.base_version is not None
-            and fake._value.node.base_version != fake._version
+            if fake._is_view() and fake._value.node.autograd.base_version is not None
+            and fake._value.node.autograd.base_version != fake._version
         }
         self.views_again = [
             i for i, fake in enumerate(self.targets) if needs_graph(fake) or real_root_of(fake) is not None

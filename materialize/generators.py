@@ -26,6 +26,7 @@ from __future__ import annotations
 import traceback
 
 from deferinit.errors import MaterializationError
+from deferinit.liveness import hidden_by_load
 from deferinit.plan import DeviceMap
 from deferinit.record import FOREIGN, LINEAGE
 from deferinit.rng import generator_of, get_state, initialized_generators, same_state
@@ -172,7 +173,7 @@ def _dead(node) -> bool:
     a tensor already materialized whose values later writes overwrote (replay
     skipped it), but not one a checkpoint load overwrote (that is the
     initialization the load replaces: the generator waits instead)."""
-    if node.rng_target is None or node.hidden_by_load:
+    if node.rng_target is None or hidden_by_load(node):
         return False
     storage = node.rng_target()
     return storage is None or storage.real is not None
@@ -185,7 +186,7 @@ def _depended_on(rs, index: int, node) -> bool:
     writes hide its values.  Eager drew it all the same, and every rank of a
     sharded model depends on it alike: the generator must not wait for it
     (unless a checkpoint load hid it)."""
-    return index in rs.planned and not node.hidden_by_load
+    return index in rs.planned and not hidden_by_load(node)
 
 
 def _in_order(streams) -> list:

@@ -1,7 +1,7 @@
 """The calls autograd saw eagerly, run so that replay builds eager's graph.
 
 Replay runs everything under ``no_grad`` except the nodes autograd recorded
-(``Node.grad``), when a materialization has graphs to rebuild: those run with
+(``Node.autograd.grad``), when a materialization has graphs to rebuild: those run with
 grad enabled on the leaf objects :class:`deferinit.materialize.autograd.Binder` hands
 out.  What else such a call needs to be as it was eagerly:
 
@@ -58,15 +58,15 @@ class GradCalls:
         # autograd saw, the tensor its views were taken from (set_ from a
         # tensor requiring grad gives it a graph, which they follow), else a
         # tensor of its own.
-        plain = node.grad is not None and any(p == pos and leaf is None for p, leaf in node.grad)
-        if (plain or pos in node.plain_writes) and t.requires_grad:
+        plain = node.autograd.grad is not None and any(p == pos and leaf is None for p, leaf in node.autograd.grad)
+        if (plain or pos in node.autograd.plain_writes) and t.requires_grad:
             # Eagerly another object on this value, one that requires no grad.
             return _detach(t)
         key = node.flat[pos].value.key
         alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
-        if alone and ((t.requires_grad and not plain) or (node.grad is not None and (t._is_view() or not t.requires_grad))):
+        if alone and ((t.requires_grad and not plain) or (node.autograd.grad is not None and (t._is_view() or not t.requires_grad))):
             return t
-        if node.grad is not None or not (t.requires_grad or t._is_view()):
+        if node.autograd.grad is not None or not (t.requires_grad or t._is_view()):
             # No autograd view where eagerly the tensor is none: an alias
             # taken under no_grad would refuse a later in-place op under grad
             # mode (``p.data.copy_(p)`` after ``p.t_()``), eagerly allowed.
@@ -86,7 +86,7 @@ class GradCalls:
             for t in stale:
                 flags.append((t, t.requires_grad))
                 t.requires_grad_(not t.requires_grad)
-            with torch.set_grad_enabled(not node.no_grad):
+            with torch.set_grad_enabled(not node.autograd.no_grad):
                 out = draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
             if id(node) in self.autograd.regenerate:
                 # A view whose base was written since it was taken eagerly:
@@ -104,7 +104,7 @@ class GradCalls:
         the leaf objects; ``stale`` gets the real leaves that required no grad
         yet when it ran."""
         bound = set()
-        for pos, leaf in node.grad:
+        for pos, leaf in node.autograd.grad:
             bound.add(pos)
             if leaf is None:
                 if args[pos].requires_grad:
@@ -125,11 +125,11 @@ class GradCalls:
                 outs = self._run_again(x.value.node, env, real_views)
                 if outs is not None:
                     args[pos] = outs[x.value.index]
-                    versions = x.value.node.base_version, dict(node.read_versions).get(pos)
+                    versions = x.value.node.autograd.base_version, dict(node.autograd.read_versions).get(pos)
                     if None not in versions and versions[0] != versions[1]:
                         # Written since it was taken: autograd regenerated its grad_fn.
                         args[pos] = regenerated(args[pos])
-            if not node.no_grad and args[pos].requires_grad:
+            if not node.autograd.no_grad and args[pos].requires_grad:
                 # Autograd reads its grad_fn here, eagerly without error.
                 args[pos] = view_again(args[pos])
         return unflatten(args, node.spec)
@@ -146,7 +146,7 @@ class GradCalls:
             return real
         out = outs[inp.value.index]
         root = real_root(inp.value)
-        if (node.base_version is not None and fake._version != node.base_version) or (
+        if (node.autograd.base_version is not None and fake._version != node.autograd.base_version) or (
             root is not None and root.real_version is not None and root.real._version != root.real_version
         ):
             # Eagerly its base was written since it was taken (while deferred,
@@ -157,8 +157,8 @@ class GradCalls:
     def _run_again(self, node: Node, env, real_views) -> list | None:
         """The outputs of ``node`` run again with grad, or None where an input is gone."""
         is_set = op_info(node.target).opname == "set_"
-        bound = {pos for pos, leaf in node.grad if leaf is not None}
-        plain = {pos for pos, leaf in node.grad if leaf is None}
+        bound = {pos for pos, leaf in node.autograd.grad if leaf is not None}
+        plain = {pos for pos, leaf in node.autograd.grad if leaf is None}
         args = []
         for pos, x in enumerate(node.flat):
             if type(x) is Input:
@@ -188,7 +188,7 @@ class GradCalls:
 
 def aliases_with_grad(node: Node) -> bool:
     """A view, or a ``set_`` from a tensor, that autograd saw eagerly."""
-    if node.kind != "op" or node.grad is None or node.rng is not None:
+    if node.kind != "op" or node.autograd.grad is None or node.rng is not None:
         return False
     info = op_info(node.target)
     return info.view_arg is not None or info.opname == "set_"

@@ -191,15 +191,15 @@ class Replay(GradCalls, Plan):
         for i, x in enumerate(node.flat):
             if type(x) is Input:
                 t = scratch_for(x, device_map) if i in scratch else self._resolve(x, env, real_views)
-                if node.reshapes and first_input and not node.data_swap:
+                if node.reshapes and first_input and not node.autograd.data_swap:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
                     t = self._alias(node, t, len(args))
-                elif i in node.plain_writes and node.grad is None and t.requires_grad:
+                elif i in node.autograd.plain_writes and node.autograd.grad is None and t.requires_grad:
                     # Eagerly written through an alias that requires no grad
                     # (resize_ refuses a tensor that does, even under no_grad).
                     t = _detach(t)
-                if i in node.data_writes and self.autograd is not None:
+                if i in node.autograd.data_writes and self.autograd is not None:
                     # Eagerly through t.data, whose version counter is its own:
                     # the views of t keep their grad_fn.
                     t = t.data
@@ -212,9 +212,9 @@ class Replay(GradCalls, Plan):
         a, k = unflatten(args, node.spec)
 
         dtype_guard.set(node.default_dtype)
-        if node.data_swap:
+        if node.autograd.data_swap:
             out = self._swap_data(node, args, env)
-        elif node.grad is not None and self.autograd is not None:
+        elif node.autograd.grad is not None and self.autograd is not None:
             out = self._run_with_grad(node, args, draws, env, real_views)
         elif in_place:
             out = in_place_variant(node.target)(*a, **k)

@@ -93,8 +93,8 @@ def reusable(replay, node, env, uses, produced, borrowed) -> bool:
         or node.rng is not None
         or node.writes
         or node.reshapes
-        or node.data_swap
-        or (node.grad is not None and replay.autograd is not None)
+        or node.autograd.data_swap
+        or (node.autograd.grad is not None and replay.autograd is not None)
         or in_place_variant(node.target) is None
     ):
         return False
