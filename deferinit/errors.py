@@ -2,10 +2,11 @@
 
 Each names the operation, where it happened (the module classes being
 constructed, or the qualified name of the tensor being materialized) and
-what to do about it.  ``MaterializationError`` and ``ReplayError`` live here
-because the plan (``deferinit/plan.py``) raises them too; the Materialize
-layer's own errors are in ``materialize/errors.py``, the checkpoint reader's
-in ``materialize/checkpoint/errors.py``, and ``deferinit`` exports them all.
+what to do about it.  ``MaterializationError`` and ``ReplayError`` live
+here because this layer raises ``ReplayError`` too (``plan.py``,
+``streams.py``); the Materialize layer's own errors are in
+``materialize/errors.py``, the checkpoint reader's in
+``materialize/checkpoint/errors.py``, and ``deferinit`` exports them all.
 The catalogue with causes and fixes is in ``docs/errors.md``.
 """
 
