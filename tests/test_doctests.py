@@ -61,6 +61,7 @@ MODULES = [
     "deferinit.materialize.evaluate",
     "deferinit.materialize",
     "deferinit.materialize.api",
+    "deferinit.materialize.pipeline",
     "deferinit.materialize.swap",
     "deferinit.materialize.reuse",
     "deferinit.materialize.autograd",
