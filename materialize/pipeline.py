@@ -131,7 +131,7 @@ def _replayed(group, device, inference, binder, shown, counted, streams, shardin
     reals = with_fresh_graphs(replay.run(), fresh, len(reads))
     if shown is not None:
         shown.draws_done(replay.draw_stats)
-    for rs in replay.replay_streams:
+    for rs in replay.plan.replay_streams:
         earlier = streams.get(id(rs.post))
         if earlier is not None:
             rs.planned |= earlier.planned

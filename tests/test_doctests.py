@@ -65,7 +65,6 @@ MODULES = [
     "deferinit.materialize.swap",
     "deferinit.materialize.reuse",
     "deferinit.materialize.autograd",
-    "deferinit.materialize.gradcalls",
     "deferinit.materialize.graphcheck",
     "deferinit.materialize.checkpoint",
     "deferinit.materialize.checkpoint.api",
