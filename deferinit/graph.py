@@ -47,7 +47,7 @@ def event_seq() -> tuple[int, int]:
 class AutogradFacts:
     """What autograd saw of one recorded call, noted by :mod:`deferinit.grad`:
     what replay needs to build eager's autograd graph on the same leaf
-    objects (``materialize/autograd.py``, ``materialize/gradcalls.py``).
+    objects (``materialize/autograd.py``, ``materialize/replay.py``).
 
     Every node reads :data:`NOTHING_SEEN` until a note gives it its own
     (:meth:`Node.own_autograd`); like the node's, the fields left at their

@@ -1,4 +1,4 @@
-"""``materialize_tensor`` and ``materialize_module``."""
+"""``materialize_tensor`` and ``materialize_module``: what to make real, handed to the pipeline."""
 
 from __future__ import annotations
 
@@ -11,22 +11,12 @@ from deferinit.fake.guard import Entry
 from deferinit.fake.locking import locked
 from deferinit.fake.tensor import is_fake
 from deferinit.holdings import attached, holdings
-from deferinit.plan import read_of
 from deferinit.recorder import is_deferred_fake
 from deferinit.wrappers import inner_tensors, wrapper_layers
 
 from .errors import AutogradMaterializationError
-from .autograd import (
-    Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
-    with_fresh_graphs,
-)
-from .graphcheck import check_graph
-
-from .generators import committed_then_handed_over, records_of
-from .progress import start_progress
-from .replay import Replay
-from .sharded import materialize_sharded
-from .swap import Swaps, dress
+from .pipeline import materialize
+from .sharded import sharding_of
 
 
 def _fakes_of(t, name: str) -> list:
@@ -77,8 +67,7 @@ def _materialize_tensor(tensor, device, inference) -> None:
     entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
     collecting = gc.isenabled()
     try:
-        _collector_paused(_materialize, targets, device=device, inference=inference, progress=False,
-                          wrappers=wrappers)
+        _collector_paused(materialize, targets, device=device, inference=inference, wrappers=wrappers)
     except BaseException:
         entry.restore()
         if collecting:
@@ -160,10 +149,8 @@ def _materialize_module(module, buffers_only, check_fn, device, inference, progr
 
 
 def _replay_module(module, targets, left, counted, wrappers, device, inference, progress) -> None:
-    if not materialize_sharded(module, targets, device=device, inference=inference, progress=progress,
-                               counted=counted, wrappers=wrappers):
-        _materialize(targets, device=device, inference=inference, progress=progress,
-                     kept_deferred=left, counted=counted, wrappers=wrappers)
+    materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left,
+                counted=counted, wrappers=wrappers, sharding=sharding_of(module, wrappers))
 
 
 def _script_slots(module) -> list:
@@ -261,108 +248,3 @@ def _wrappers_of(t, name: str) -> list:
                 "or under torch.no_grad(). Nothing was changed."
             )
     return layers
-
-
-def _materialize(targets, *, device, inference, progress, kept_deferred=None, counted=None, wrappers=()) -> None:
-    committed_then_handed_over(
-        lambda hand: _swap_in(hand, targets, device=device, inference=inference, progress=progress,
-                              kept_deferred=kept_deferred, counted=counted, wrappers=wrappers),
-        device,
-    )
-
-
-def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, counted=None, wrappers=()) -> None:
-    """Compute ``targets`` and swap them in, rebuilding ``wrappers`` around them, all
-    or nothing (see :class:`~deferinit.materialize.generators.HandOver`); the
-    fakes swapped out die with this frame."""
-    binder = None
-    if not inference and any(needs_graph(fake) or real_root_of(fake) for _, fake in targets):
-        # Tensors computed from parameters with autograd: replay their graph
-        # on the leaf objects, which are materialized with them.
-        extra = deferred_leaves(targets)
-        for label, leaf in extra:
-            if kept_deferred and id(leaf) in kept_deferred:
-                raise AutogradMaterializationError(
-                    f"{label.replace(' (its autograd leaf)', '')} was computed with autograd from "
-                    f"parameter {kept_deferred[id(leaf)]}, which buffers_only=True leaves deferred; "
-                    "materialize them together (buffers_only=False). Nothing was changed."
-                )
-        targets = list(targets) + extra
-        binder = Binder(targets, lambda fake, t: dress(fake, t, False))
-    reads = [read_of(fake) for _, fake in targets]
-    labels = [name for name, _ in targets]
-    fakes = [fake for _, fake in targets]
-    fresh = fresh_reads(targets, reads) if binder is not None else []
-    if counted is None:
-        counted = fakes
-    shown = start_progress(progress, counted)
-    counted = {id(f) for f in counted}
-    try:
-        replay = Replay(reads + [r for _, r in fresh], device=device, inference=inference,
-                        labels=labels + [labels[i] for i, _ in fresh], autograd=binder)
-        if shown is not None:
-            replay.progress = shown.replay_callback(replay, [f if id(f) in counted else None for f in fakes])
-        reals = with_fresh_graphs(replay.run(), fresh, len(reads))
-        if shown is not None:
-            shown.draws_done(replay.draw_stats)
-        records = records_of(fakes)
-        storages = [fake._storage for fake in fakes]
-        tokens = [leaf_token(fake) for fake in fakes]
-        pairs = _dressed(targets, reals, inference, binder, replay.retaken)
-        for storage, (_, real) in zip(storages, pairs):
-            if storage.shared:  # share_memory_() while deferred (model.share_memory())
-                real.share_memory_()
-        swaps = Swaps(pairs, wrappers)
-        kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
-        try:
-            swaps.run()
-            for fake, token in zip(fakes, tokens):
-                if token is not None:
-                    token.real = fake  # now real: graphs replayed later reach it
-                    token.real_version = None if fake.is_inference() else fake._version
-            # The fakes are the real tensors now (``reals`` may have been swapped out).
-            swaps.remember(reads, storages, fakes)
-            hand.streams, hand.records = replay.replay_streams, records
-            hand.committed = True
-        except BaseException:
-            if not hand.committed:
-                for token, real, version in kept:
-                    token.real, token.real_version = real, version
-                swaps.undo()
-            raise
-    except BaseException:
-        if shown is not None:
-            shown.close(ok=False)
-        raise
-    if shown is not None:
-        shown.close()
-    # The fakes swapped out die with this frame, and with them what only they
-    # kept alive: draws into such tensors become temporaries of the record.
-    replay.autograd = None
-
-
-def _dressed(targets, reals, inference, binder, retaken=()) -> list:
-    """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
-    pairs = []
-    for i, ((name, fake), real) in enumerate(zip(targets, reals)):
-        made = binder.made_for(fake) if binder is not None else None
-        if made is not None:
-            if not same_memory(made, real):
-                # The fake's data was replaced after autograd read it (.data =).
-                with torch.no_grad():
-                    made.data = real
-            if made.requires_grad != fake.requires_grad:
-                made.requires_grad_(fake.requires_grad)
-        if not inference:
-            real = view_again(real, fake)
-            check_graph(name, fake, real, binder)
-        pairs.append((fake, dress(fake, real, inference, made, i in retaken)))
-    seen = {}
-    for (fake, obj), (name, _) in zip(pairs, targets):
-        other = seen.setdefault(id(obj), name)
-        if other is not name:
-            raise AutogradMaterializationError(
-                f"{other} and {name} are two tensor objects eagerly but came out of the replay as "
-                "one (two names for one value computed with autograd). Nothing was changed."
-            )
-    return pairs

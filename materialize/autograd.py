@@ -9,7 +9,7 @@ which calls autograd saw and which leaf objects they read
 with grad enabled on the very leaf objects that will be swapped into the
 fakes (:class:`Binder` makes them, dressed, when first read), so the real
 tensor gets the same graph on the same leaves (the calls themselves run in
-:mod:`deferinit.materialize.gradcalls`).  A leaf's ``requires_grad`` changes while
+:class:`deferinit.materialize.replay.Replay`).  A leaf's ``requires_grad`` changes while
 recording are replayed at their place (:meth:`Binder.advance`): a view
 follows its base's flag.  :func:`deferinit.materialize.graphcheck.check_graph` then
 compares the real graph with the fake one, node by node, before anything is

@@ -67,7 +67,7 @@ def _evaluate(fakes, operation: str):
 def _closure_bytes(replay: Replay) -> int:
     seen = set()
     total = 0
-    for node in replay.order:
+    for node in replay.plan.order:
         for x in node.flat:
             value = getattr(x, "value", None)
             if value is not None and id(value) not in seen:

@@ -80,7 +80,7 @@ def committed_then_handed_over(work, device) -> None:
             hand.restore()
             raise
         # Interrupted right after the commit: the swapped-out fakes held by the
-        # finished frames go first, as on the ordinary path (see api._materialize).
+        # finished frames go first, as on the ordinary path (see pipeline._run).
         traceback.clear_frames(e.__traceback__.tb_next)
         hand.run(device)
         raise

@@ -147,10 +147,10 @@ class Progress:
         (None for a target not counted): a tensor is done once the last
         operation its value needs has run."""
         finishing: dict[int, list] = {}
-        at = {id(node): i for i, node in enumerate(replay.order)}
-        earlier = {i for i, node in enumerate(replay.order) if node.rng is not None and replay.mode(node) == GENERATOR}
+        at = {id(node): i for i, node in enumerate(replay.plan.order)}
+        earlier = {i for i, node in enumerate(replay.plan.order) if node.rng is not None and replay.plan.mode(node) == GENERATOR}
         self.earlier_total += len(earlier)
-        for inp, fake in zip(replay.targets, fakes):
+        for inp, fake in zip(replay.plan.targets, fakes):
             if fake is None:  # computed along, not counted
                 continue
             last = inp.version if inp.version is not None else inp.value.node

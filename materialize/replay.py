@@ -1,8 +1,11 @@
 """The interpreter: replays the part of a record that some tensors need.
 
-In the spirit of ``torch.fx.Interpreter``: one loop over the planned nodes
-in recorded order (:class:`deferinit.plan.Plan` chose them), one
-``_run_node`` where values are computed, each value freed at its last use.
+In the spirit of ``torch.fx.Interpreter``: one class, holding its plan
+(:class:`deferinit.plan.Plan` chose the nodes), one loop over the planned
+nodes in recorded order, and ``run_node`` dispatching on how the plan runs
+the node (``alloc``, ``direct``: see :mod:`deferinit.liveness`) or else on
+its kind (``op``, ``opaque``, ``external``, ``constant``, ``load``) to a
+method of the same class; each value is freed at its last use.
 Random nodes draw from the state their generator had eagerly, on private
 generators (:mod:`deferinit.materialize.draws`; draws needed only for that
 state are jumped over on CPU); the states later replays look up are cached
@@ -10,8 +13,25 @@ on the record, so any order of requests costs at most one extra pass.
 
 Everything runs below autograd (``no_grad``, or ``inference_mode`` on request),
 except, when ``autograd=`` is given, the calls autograd recorded eagerly:
-those run with grad enabled on the leaf objects ``autograd`` hands out, so
-that tensors computed from parameters get eager's graph.
+those run with grad enabled on the leaf objects ``autograd`` hands out
+(:class:`deferinit.materialize.autograd.Binder`), so that tensors computed
+from parameters get eager's graph.  What else such a call needs to be as it
+was eagerly:
+
+* the tensors it reshapes or writes in place are the objects they were
+  (the very tensor with its graph, or an alias that requires no grad);
+* ``t.data = new`` on a tensor with a graph keeps that graph;
+* a view of memory already real is taken again from the real leaf, with the
+  ``requires_grad`` that leaf had when the call ran, and its ``grad_fn``
+  regenerated where its base was written since, as autograd does.
+
+What dead-work elimination marked runs otherwise than recorded: outputs
+only *allocated* (their contents are all overwritten later), a random draw
+replayed only for the *generator* (into scratch memory, or jumped over by
+the collaborator :class:`deferinit.materialize.draws.Draws`), a ``copy_``
+that reads a checkpoint *directly* into its destination.  Load nodes
+(recorded by :func:`deferinit.materialize.load_checkpoint`) read their
+checkpoint's bytes into the tensor, or only the parts read later.
 """
 
 from __future__ import annotations
@@ -22,27 +42,35 @@ import torch
 
 from deferinit.errors import MaterializationError, ReplayError
 from deferinit.graph import Input, Node
-from deferinit.liveness import GENERATOR, RUN
+from deferinit.liveness import ALLOC, DIRECT, GENERATOR, RUN
 from deferinit.plan import Plan, real_read, read_of
 from deferinit.fake.device import exists
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.flat import flatten_output, unflatten
+from deferinit.fake.opinfo import op_info
 from deferinit.fake.tensor import describe
 
 from .errors import DeviceUnavailableError, ExternalTensorMutatedError
-from .autograd import real_root
-from .gradcalls import GradCalls
+from .autograd import real_root, regenerated, view_again
 from .draws import Draws
-from .modes import check_sources, run_marked, scratch_for
 from .reuse import in_place_variant, reusable
 
 __all__ = ["Replay", "read_of"]
 
+_alias = torch.ops.aten.alias.default
 _detach = torch.ops.aten.detach.default
+_get_creation_meta = torch._C._autograd._get_creation_meta
+_set_creation_meta = torch._C._autograd._set_creation_meta
 
 
-class Replay(GradCalls, Plan):
+class Replay:
     """One replay: the closure of some reads, executed in recorded order.
+
+    Holds its :class:`~deferinit.plan.Plan` (``plan``: the nodes, their
+    modes, the random streams) and, while it runs, the values computed so
+    far (``env``), the views of memory already real (``real_views``), the
+    draws (``draws``, :class:`~deferinit.materialize.draws.Draws`) and the
+    default dtype (``dtype_guard``).
 
     Example (what ``materialize_tensor`` does, minus the swap)::
 
@@ -72,13 +100,14 @@ class Replay(GradCalls, Plan):
         # writes overwrite (a load into a buffer computed from parameters
         # keeps the computation's grad_fn): with graphs to rebuild, nothing
         # is eliminated.
-        super().__init__(targets, device=device, extra=extra, eliminate=autograd is None)
+        self.plan = Plan(targets, device=device, extra=extra, eliminate=autograd is None)
+        self.device_map = self.plan.device_map
         if check_devices:
             self._check_devices()
 
     def _check_devices(self) -> None:
         devices = set()
-        for node in self.order:
+        for node in self.plan.order:
             for x in node.flat:
                 if type(x) is Input:
                     devices.add(x.value.device)
@@ -86,7 +115,7 @@ class Replay(GradCalls, Plan):
                     devices.add(x)
             if node.kind == "constant":
                 devices.add(node.target)
-        for inp in self.targets:
+        for inp in self.plan.targets:
             devices.add(inp.value.device)
         for device in devices:
             mapped = self.device_map(device)
@@ -98,99 +127,171 @@ class Replay(GradCalls, Plan):
                     "exists) to materialize elsewhere."
                 )
 
+    def _check_sources(self) -> None:
+        """Before anything runs: every checkpoint the plan reads is still there, as
+        recorded (so that a missing or changed file fails the replay at once)."""
+        plan = self.plan
+        seen = set()
+        for node in plan.order:
+            load = node if node.kind == "load" else None
+            if load is None and plan.mode(node) == DIRECT:
+                load = plan.liveness.direct[id(node)][0]
+            if load is not None and id(load.payload) not in seen:
+                seen.add(id(load.payload))
+                load.payload.check()
+
     # -- execution --------------------------------------------------------------
 
     def run(self) -> list[torch.Tensor]:
         """Execute the plan; returns one real tensor per target read."""
-        check_sources(self)
+        self._check_sources()
+        plan = self.plan
+        reads = plan.reads
         uses: dict = {}
         wanted: dict[int, set] = {}
         # The recorded geometry of each output read (see materialize/reuse.py).
         self._produced = produced = {}
-        for node in self.order:
-            for x in self.reads(node):
+        for node in plan.order:
+            for x in reads(node):
                 if not real_read(x):
                     key = x.value.key
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
                     produced.setdefault(key, x.value)
-        for inp in self.targets:
+        for inp in plan.targets:
             if not real_read(inp):
                 key = inp.value.key
                 uses[key] = uses.get(key, 0) + 1_000_000_000  # never freed
                 wanted.setdefault(id(key[0]), set()).add(key[1])
                 produced.setdefault(key, inp.value)
 
-        env: dict = {}
-        real_views: dict = {}
-        total = len(self.order)
+        self.env = env = {}
+        self.real_views = {}
+        total = len(plan.order)
         self._uses = uses
         self._borrowed = set()  # ids of outside tensors, read by reference
-        with Draws(self.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
-            binder = self.autograd
-            for done, node in enumerate(self.order):
+        try:
+            with Draws(plan.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
+                self.draws, self.dtype_guard = draws, dtype_guard
+                binder = self.autograd
+                run_node = self.run_node
+                for done, node in enumerate(plan.order):
+                    if binder is not None:
+                        binder.advance(node.seq)
+                    try:
+                        run_node(node, wanted.get(id(node), ()))
+                    except Exception as e:
+                        raise self._failure(node, e) from e
+                    for x in reads(node):
+                        if not real_read(x):
+                            key = x.value.key
+                            left = uses[key] - 1
+                            uses[key] = left
+                            if left == 0:
+                                env.pop(key, None)
+                    if self.progress is not None:
+                        self.progress(done + 1, total)
+                self.draw_stats = draws.stats
                 if binder is not None:
-                    binder.advance(node.seq)
-                try:
-                    self._run_node(node, env, real_views, wanted.get(id(node), ()), dtype_guard, draws)
-                except Exception as e:
-                    raise self._failure(node, e) from e
-                for x in self.reads(node):
-                    if not real_read(x):
-                        key = x.value.key
-                        left = uses[key] - 1
-                        uses[key] = left
-                        if left == 0:
-                            env.pop(key, None)
-                if self.progress is not None:
-                    self.progress(done + 1, total)
-            self.draw_stats = draws.stats
-            if binder is not None:
-                binder.advance(float("inf"))
-            results = [self._resolve(inp, env, real_views) for inp in self.targets]
-            for i in getattr(self.autograd, "views_again", ()):
-                again = self._view_again(self.targets[i], env, real_views, results[i], binder.targets[i])
-                if again is not results[i]:
-                    if real_root(self.targets[i].value) is not None:
-                        # Taken from the real leaf it is a view of.
-                        self.retaken.add(i)
-                    results[i] = again
+                    binder.advance(float("inf"))
+                results = [self.resolve(inp) for inp in plan.targets]
+                for i in getattr(self.autograd, "views_again", ()):
+                    again = self._view_again(plan.targets[i], results[i], binder.targets[i])
+                    if again is not results[i]:
+                        if real_root(plan.targets[i].value) is not None:
+                            # Taken from the real leaf it is a view of.
+                            self.retaken.add(i)
+                        results[i] = again
+        finally:
+            # The values die at the end of the run, as they did in its frame.
+            self.env = self.real_views = self.draws = self.dtype_guard = None
         return results
 
-    def _run_node(self, node: Node, env, real_views, wanted, dtype_guard, draws) -> None:
-        mode = self.mode(node)
-        if mode == GENERATOR and node.rng is not None and draws.skip(node):
-            return  # jumped over: nothing drawn
-        if (mode != RUN or node.kind == "load") and run_marked(self, node, mode, env, real_views, wanted):
-            return
-        # Draws replayed only for the generator write into scratch memory.
-        scratch = self.liveness.scratch.get(id(node), ()) if self.liveness is not None else ()
-        kind = node.kind
-        in_place = kind == "op" and not scratch and reusable(self, node, env, self._uses, self._produced, self._borrowed)
-        if kind == "external":
-            t = node.payload
-            if t._version != node.version:
-                raise ExternalTensorMutatedError(
-                    f"an outside tensor {describe(t)} used while recording was modified in "
-                    f"place since (version {node.version} -> {t._version}), so the recorded "
-                    "values cannot be reproduced. Keep it unchanged until materialization, or "
-                    "pass a clone to the constructor."
-                )
-            t = recorded_memory(node)
-            mapped = self.device_map(t.device)
-            env[(node, 0)] = t if mapped == t.device else t.to(mapped)
-            self._borrowed.add(id(env[(node, 0)]))
-            return
-        if kind == "constant":
-            env[(node, 0)] = node.payload.to(self.device_map(node.target), copy=True)
-            return
+    def run_node(self, node: Node, wanted) -> None:
+        """Run one planned node: as its mode says (:mod:`deferinit.liveness`), else as
+        its kind says; ``wanted``: the positions of its outputs read later."""
+        mode = self.plan.mode(node)
+        if mode != RUN:
+            if mode == ALLOC:
+                return self.alloc(node, wanted)
+            if mode == DIRECT:
+                return self.direct(node)
+            if mode == GENERATOR and node.rng is not None and self.draws.skip(node):
+                return None  # jumped over: nothing drawn
+        return _BY_KIND[node.kind](self, node, wanted)
 
+    # -- nodes run otherwise than recorded (see deferinit/liveness.py) ------------
+
+    def alloc(self, node: Node, wanted) -> None:
+        """Outputs whose contents later writes overwrite: allocated, not computed."""
+        env = self.env
+        for pos, value in self.plan.liveness.alloc[id(node)].items():
+            if pos in wanted:
+                env[(node, pos)] = torch.empty_strided(
+                    value.size, value.stride, dtype=value.dtype, device=self.device_map(value.device)
+                )
+
+    def direct(self, node: Node) -> None:
+        """A ``copy_`` from a checkpoint tensor: read straight into its destination."""
+        load, (offset, sizes, strides), *parts = self.plan.liveness.direct[id(node)]
+        dst = self.resolve(node.flat[0])
+        source = load.payload
+        # The load cast the checkpoint to its tensor's dtype, the copy to the
+        # destination's: the same two casts, unless one of them is none.
+        middle = load.flat[0].value.dtype
+        via = None if middle in (source.dtype, dst.dtype) else middle
+        if not parts:
+            source.read(dst, offset, sizes, strides, via=via)
+            return
+        for start, box in parts[0]:
+            # Only the blocks of the destination something reads later.
+            at = dst.storage_offset() + sum(i * s for i, s in zip(start, dst.stride()))
+            view = dst.as_strided(box, dst.stride(), at)
+            source.read(view, offset + sum(i * s for i, s in zip(start, strides)), box, strides, via=via)
+
+    # -- nodes by kind ---------------------------------------------------------
+
+    def load(self, node: Node, wanted) -> None:
+        """A checkpoint load: its bytes into the tensor, or the parts read later."""
+        dst = self.resolve(node.flat[0])
+        liveness = self.plan.liveness
+        parts = liveness.loads.get(id(node)) if liveness is not None else None
+        node.payload.read_parts(dst, parts)
+
+    def external(self, node: Node, wanted) -> None:
+        """An outside tensor, read by reference (on the replay's device)."""
+        t = node.payload
+        if t._version != node.version:
+            raise ExternalTensorMutatedError(
+                f"an outside tensor {describe(t)} used while recording was modified in "
+                f"place since (version {node.version} -> {t._version}), so the recorded "
+                "values cannot be reproduced. Keep it unchanged until materialization, or "
+                "pass a clone to the constructor."
+            )
+        t = recorded_memory(node)
+        mapped = self.device_map(t.device)
+        self.env[(node, 0)] = t if mapped == t.device else t.to(mapped)
+        self._borrowed.add(id(self.env[(node, 0)]))
+
+    def constant(self, node: Node, wanted) -> None:
+        """A value recorded by copy."""
+        self.env[(node, 0)] = node.payload.to(self.device_map(node.target), copy=True)
+
+    def call(self, node: Node, wanted) -> None:
+        """An operator (or an opaque initialiser) called on the real inputs: in place
+        where its first input dies with it, with autograd where eager's graph
+        is rebuilt, from the eager state of its generator where it draws."""
+        env = self.env
+        liveness = self.plan.liveness
+        # Draws replayed only for the generator write into scratch memory.
+        scratch = liveness.scratch.get(id(node), ()) if liveness is not None else ()
+        in_place = node.kind == "op" and not scratch and reusable(self, node, env, self._uses, self._produced, self._borrowed)
         device_map = self.device_map
         args = []
         first_input = True
         for i, x in enumerate(node.flat):
             if type(x) is Input:
-                t = scratch_for(x, device_map) if i in scratch else self._resolve(x, env, real_views)
+                t = scratch_for(x, device_map) if i in scratch else self.resolve(x)
                 if node.reshapes and first_input and not node.autograd.data_swap:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
@@ -211,25 +312,30 @@ class Replay(GradCalls, Plan):
                 args.append(x)
         a, k = unflatten(args, node.spec)
 
-        dtype_guard.set(node.default_dtype)
+        self.dtype_guard.set(node.default_dtype)
         if node.autograd.data_swap:
-            out = self._swap_data(node, args, env)
+            out = self._swap_data(node, args)
         elif node.autograd.grad is not None and self.autograd is not None:
-            out = self._run_with_grad(node, args, draws, env, real_views)
+            out = self._run_with_grad(node, args)
         elif in_place:
             out = in_place_variant(node.target)(*a, **k)
+        elif node.rng is not None:
+            part = liveness.parts.get(id(node)) if liveness is not None else None
+            out = self.draws.call(node, a, k, part)
         else:
-            part = self.liveness.parts.get(id(node)) if self.liveness is not None and node.rng is not None else None
-            out = draws.call(node, a, k, part) if node.rng is not None else node.target(*a, **k)
+            out = node.target(*a, **k)
 
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
 
-    def _resolve(self, inp: Input, env, real_views) -> torch.Tensor:
+    def resolve(self, inp: Input) -> torch.Tensor:
+        """The real tensor an input reads: a value computed by this replay, or a view
+        of memory already real."""
         value = inp.value
         if real_read(inp):
+            real_views = self.real_views
             view = real_views.get(value.key)
             if view is None:
                 storage = value.storage
@@ -244,7 +350,7 @@ class Replay(GradCalls, Plan):
                 view.set_(real, value.offset, value.size, value.stride)
                 real_views[value.key] = view
             return view
-        return env[value.key]
+        return self.env[value.key]
 
     def _failure(self, node: Node, e: Exception) -> Exception:
         labels = [l for l in self.labels if l]
@@ -257,6 +363,182 @@ class Replay(GradCalls, Plan):
             f"replaying {node.name} (node %{node.seq}) for {what or 'the requested tensors'} "
             f"failed: {type(e).__name__}: {e}. Nothing was changed; the tensors stay deferred."
         )
+
+    # -- calls autograd saw: replay builds eager's graph --------------------------
+
+    def _swap_data(self, node: Node, args: list) -> torch.Tensor:
+        """``t.data = new`` (:func:`deferinit.grad.data_node`): with graphs to
+        rebuild, on the tensor with ``t``'s graph, as eagerly; else an alias of
+        ``new``, all that the value is."""
+        t, new = args
+        if self.autograd is None or not t.requires_grad:
+            return _alias(new)
+        key = node.flat[0].value.key
+        env = self.env
+        if self._uses.get(key, 0) > 1 and key in env:
+            # Other tensors hold the older value (t.detach() taken before):
+            # they keep its memory, without this graph, as eagerly.
+            env[key] = _detach(t)
+        with torch.no_grad():
+            t.data = new
+        return t
+
+    def _alias(self, node: Node, t: torch.Tensor, pos: int) -> torch.Tensor:
+        if self.autograd is None:
+            return _alias(t)
+        # Under autograd the tensor must be what it was eagerly: the very
+        # tensor when it has a graph or is a view (its grad_fn is kept, or
+        # regenerated from the view after the in-place op) or, for a call
+        # autograd saw, the tensor its views were taken from (set_ from a
+        # tensor requiring grad gives it a graph, which they follow), else a
+        # tensor of its own.
+        plain = node.autograd.grad is not None and any(p == pos and leaf is None for p, leaf in node.autograd.grad)
+        if (plain or pos in node.autograd.plain_writes) and t.requires_grad:
+            # Eagerly another object on this value, one that requires no grad.
+            return _detach(t)
+        key = node.flat[pos].value.key
+        alone = self._uses.get(key, 0) <= 1  # nothing reads the old value after this node
+        if alone and ((t.requires_grad and not plain) or (node.autograd.grad is not None and (t._is_view() or not t.requires_grad))):
+            return t
+        if node.autograd.grad is not None or not (t.requires_grad or t._is_view()):
+            # No autograd view where eagerly the tensor is none: an alias
+            # taken under no_grad would refuse a later in-place op under grad
+            # mode (``p.data.copy_(p)`` after ``p.t_()``), eagerly allowed.
+            return _detach(t)
+        out = _alias(t)
+        if t._is_view():
+            # The view it is eagerly, taken in the grad mode it was taken in.
+            _set_creation_meta(out, _get_creation_meta(t))
+        return out
+
+    def _run_with_grad(self, node: Node, args: list, again: bool = False):
+        """A call autograd saw, run with grad on the leaf objects; ``again``: a view
+        node run again for a view of memory already real (see :meth:`_run_again`)."""
+        stale: list = []
+        lent = self.autograd.lent()
+        flags = []
+        try:
+            a, k = self._bind(node, args, stale, again)
+            for t in stale:
+                flags.append((t, t.requires_grad))
+                t.requires_grad_(not t.requires_grad)
+            with torch.set_grad_enabled(not node.autograd.no_grad):
+                out = self.draws.call(node, a, k) if node.rng is not None else node.target(*a, **k)
+            if id(node) in self.autograd.regenerate:
+                # A view whose base was written since it was taken eagerly:
+                # autograd regenerated its grad_fn from the base (done while
+                # a real base holds the value it had then).
+                out = regenerated(out) if isinstance(out, torch.Tensor) else type(out)(regenerated(o) for o in out)
+            return out
+        finally:
+            for t, flag in flags:
+                t.requires_grad_(flag)
+            self.autograd.give_back(lent)
+
+    def _bind(self, node: Node, args: list, stale: list, again: bool):
+        """The arguments of a call autograd saw, as eagerly: its leaves bound to
+        the leaf objects; ``stale`` gets the real leaves that required no grad
+        yet when it ran."""
+        bound = set()
+        for pos, leaf in node.autograd.grad:
+            bound.add(pos)
+            if leaf is None:
+                if args[pos].requires_grad:
+                    # What t.data gives: no graph, a version counter of its own.
+                    args[pos] = args[pos].data
+            else:
+                args[pos] = self.autograd(leaf, args[pos], node)
+                if args[pos].requires_grad != leaf.flag_at(node.seq) and args[pos].is_leaf:
+                    # A leaf materialized before, whose requires_grad changed
+                    # since this call ran eagerly: it runs with the flag of then.
+                    stale.append(args[pos])
+        for pos, x in enumerate(node.flat):
+            if pos in bound or type(x) is not Input:
+                continue
+            if not again and real_read(x) and aliases_with_grad(x.value.node):
+                # A view of memory already real, read with its autograd
+                # relation (it requires grad through its base): taken again.
+                outs = self._run_again(x.value.node)
+                if outs is not None:
+                    args[pos] = outs[x.value.index]
+                    versions = x.value.node.autograd.base_version, dict(node.autograd.read_versions).get(pos)
+                    if None not in versions and versions[0] != versions[1]:
+                        # Written since it was taken: autograd regenerated its grad_fn.
+                        args[pos] = regenerated(args[pos])
+            if not node.autograd.no_grad and args[pos].requires_grad:
+                # Autograd reads its grad_fn here, eagerly without error.
+                args[pos] = view_again(args[pos])
+        return unflatten(args, node.spec)
+
+    def _view_again(self, inp: Input, real: torch.Tensor, fake) -> torch.Tensor:
+        """A target that is a view of memory already real, and belongs to an
+        autograd graph: its view node (or the ``set_`` that made it share that
+        memory) runs again on the real leaf objects."""
+        node = inp.value.node
+        if not real_read(inp) or not aliases_with_grad(node):
+            return real
+        outs = self._run_again(node)
+        if outs is None:
+            return real
+        out = outs[inp.value.index]
+        root = real_root(inp.value)
+        if (node.autograd.base_version is not None and fake._version != node.autograd.base_version) or (
+            root is not None and root.real_version is not None and root.real._version != root.real_version
+        ):
+            # Eagerly its base was written since it was taken (while deferred,
+            # or since it is real): autograd regenerated its grad_fn from the base.
+            out = regenerated(out)
+        return out
+
+    def _run_again(self, node: Node) -> list | None:
+        """The outputs of ``node`` run again with grad, or None where an input is gone."""
+        is_set = op_info(node.target).opname == "set_"
+        bound = {pos for pos, leaf in node.autograd.grad if leaf is not None}
+        plain = {pos for pos, leaf in node.autograd.grad if leaf is None}
+        args = []
+        for pos, x in enumerate(node.flat):
+            if type(x) is Input:
+                storage = x.value.storage
+                if storage is not None and storage.real is not None:
+                    # A view depends on the geometry, not on the version read.
+                    x = Input(x.value, storage.real_head)
+                    if pos not in bound and aliases_with_grad(x.value.node):
+                        # A view of real memory read with its autograd
+                        # relation (a view of a parameter taken under no_grad).
+                        outs = self._run_again(x.value.node)
+                        if outs is not None:
+                            args.append(outs[x.value.index])
+                            continue
+                elif is_set and pos in plain and pos in node.writes:
+                    # What set_ replaces: its values never matter, and no
+                    # graph reaches it; a tensor of its own stands in.
+                    args.append(torch.empty(0, dtype=x.value.dtype, device=self.device_map(x.value.device)))
+                    continue
+                elif x.value.key not in self.env:
+                    return None
+                x = self.resolve(x)
+            args.append(x)
+        out = self._run_with_grad(node, args, again=True)
+        return [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
+
+
+_BY_KIND = {"op": Replay.call, "opaque": Replay.call, "external": Replay.external,
+            "constant": Replay.constant, "load": Replay.load}
+
+
+def aliases_with_grad(node: Node) -> bool:
+    """A view, or a ``set_`` from a tensor, that autograd saw eagerly."""
+    if node.kind != "op" or node.autograd.grad is None or node.rng is not None:
+        return False
+    info = op_info(node.target)
+    return info.view_arg is not None or info.opname == "set_"
+
+
+def scratch_for(inp, device_map) -> torch.Tensor:
+    """Memory of ``inp``'s geometry for a draw whose values nothing reads: the
+    kernel consumes the generator as it would on the real tensor."""
+    value = inp.value
+    return torch.empty_strided(value.size, value.stride, dtype=value.dtype, device=device_map(value.device))
 
 
 @contextlib.contextmanager

@@ -37,11 +37,7 @@ from deferinit.recorder import is_deferred_fake
 from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
 
 from .autograd import needs_graph, real_root_of
-
-from .generators import committed_then_handed_over, records_of
-from .progress import start_progress
-from .replay import Replay
-from .swap import Swaps, dress
+from .pipeline import materialize
 
 
 def _holds_wrappers(module: torch.nn.Module) -> bool:
@@ -105,19 +101,44 @@ def fsdp_held_fakes(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return found
 
 
+class Sharding:
+    """The sharding step of :func:`deferinit.materialize.pipeline.materialize`:
+    the targets grouped (:func:`groups`: with the fakes FSDP2 holds on their
+    storages, one storage or wrapper at a time, in the order of their draws),
+    and a group's results copied out of a storage much bigger than they span
+    (:func:`compact`)."""
+
+    def __init__(self, module, wrappers=()):
+        self.module = module
+        self.wrappers = wrappers
+
+    def groups(self, targets) -> list[list]:
+        return groups(self.module, targets, self.wrappers)
+
+    def compact(self, group, reals):
+        return _compact(group, reals)
+
+
+def sharding_of(module, wrappers=()) -> Sharding | None:
+    """The sharding step for ``module``, or None when it holds no wrapper subclass
+    (DTensor, a quantized tensor): then one replay computes everything."""
+    return Sharding(module, wrappers) if _holds_wrappers(module) else None
+
+
 def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, counted=None,
                         wrappers=None) -> bool:
     """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one group at a time.
 
-    Called by :func:`deferinit.materialize.materialize_module`; returns False, doing
-    nothing, when ``module`` holds no wrapper subclass (DTensor, a quantized
-    tensor), or when a target needs eager's autograd graph (the caller then
-    replays everything at once).  Fakes FSDP2 holds for the targets are
-    added; progress counts ``counted`` (default: the targets' fakes);
-    ``wrappers`` (innermost first; by default those of ``module`` around the
-    targets) are rebuilt around their real inner tensors.
-    Every result is computed before anything is swapped in: on failure the
-    module is left as it was.
+    Returns False, doing nothing, when ``module`` holds no wrapper subclass
+    (DTensor, a quantized tensor), or when a target needs eager's autograd
+    graph (:func:`deferinit.materialize.materialize_module` then replays
+    everything at once).  Fakes FSDP2 holds for the targets are added;
+    progress counts ``counted`` (default: the targets' fakes); ``wrappers``
+    (innermost first; by default those of ``module`` around the targets) are
+    rebuilt around their real inner tensors.  Every result is computed
+    before anything is swapped in: on failure the module is left as it was.
+    The steps are :func:`deferinit.materialize.pipeline.materialize`'s, with
+    :class:`Sharding` as its grouping.
 
     Example::
 
@@ -129,74 +150,9 @@ def materialize_sharded(module, targets, *, device=None, inference=False, progre
         return False
     if wrappers is None:
         wrappers = _wrappers_around(module, targets)
-    # Progress counts these (``counted``: the caller's choice), not the fakes FSDP adds.
-    asked = [f for _, f in targets] if counted is None else list(counted)
-    units = groups(module, targets, wrappers)
-    targets = [t for group in units for t in group]
-    streams: dict = {}  # the latest replay stream of each record stream
-    records = records_of(f for _, f in targets)
-
-    shown = start_progress(progress, asked)
-    asked = {id(f) for f in asked}
-    committed_then_handed_over(
-        lambda hand: _compute_and_swap(hand, units, streams, records, device, inference, shown, asked, wrappers),
-        device,
-    )
+    materialize(targets, device=device, inference=inference, progress=progress, counted=counted,
+                wrappers=wrappers, sharding=Sharding(module, wrappers))
     return True
-
-
-def _compute_and_swap(hand, units, streams, records, device, inference, shown, asked, wrappers=()) -> None:
-    """Every group computed, then all swapped in (see
-    :class:`~deferinit.materialize.generators.HandOver`); the fakes swapped out
-    die with this frame."""
-    computed = []  # (group, reads, reals, compacted)
-    try:
-        for group in units:
-            reads = [read_of(f) for _, f in group]
-            replay = Replay(reads, device=device, inference=inference, labels=[name for name, _ in group])
-            if shown is not None:
-                replay.progress = shown.replay_callback(replay, [f if id(f) in asked else None for _, f in group])
-            reals = replay.run()
-            if shown is not None:
-                shown.draws_done(replay.draw_stats)
-            for rs in replay.replay_streams:
-                earlier = streams.get(id(rs.post))
-                if earlier is not None:
-                    rs.planned |= earlier.planned
-                streams[id(rs.post)] = rs
-            del replay
-            computed.append((group, reads, *_compact(group, reals)))
-            del reals
-        _swap_in(hand, computed, inference, streams, records, wrappers)
-    except BaseException:
-        if shown is not None:
-            shown.close(ok=False)
-        raise
-    if shown is not None:
-        shown.close()
-
-
-def _swap_in(hand, computed, inference, streams, records, wrappers=()) -> None:
-    """Swap every group's results in, rebuild the wrappers around them (DTensors, quantized
-    tensors) and remember the real storages, all or nothing."""
-    pairs = []
-    for group, _, reals, _ in computed:
-        for (_, fake), real in zip(group, reals):
-            pairs.append((fake, dress(fake, real, inference)))
-    storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
-    swaps = Swaps(pairs, wrappers)
-    try:
-        swaps.run()
-        for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):
-            if compacted:
-                continue  # nothing else can read that storage (see _compact)
-            swaps.remember(reads, group_storages, [fake for _, fake in group])
-        hand.streams, hand.records = list(streams.values()), records
-        hand.committed = True
-    except BaseException:
-        if not hand.committed:
-            swaps.undo()
-        raise
 
 
 def groups(module, targets, wrappers=()) -> list[list]:

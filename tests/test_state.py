@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-import deferinit.materialize.api as api
+import deferinit.materialize.pipeline as pipeline
 import deferinit.materialize.swap as swap_module
 from deferinit import (
     DataDependentError,
@@ -283,7 +283,7 @@ def test_progress_callback_error(monkeypatch):
         def close(self, ok=True):
             pass
 
-    monkeypatch.setattr(api, "start_progress", lambda progress, fakes: Shown())
+    monkeypatch.setattr(pipeline, "start_progress", lambda progress, fakes: Shown())
     before = snapshot()
     with pytest.raises(Interrupt):
         materialize_module(m)

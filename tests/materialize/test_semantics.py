@@ -263,14 +263,14 @@ def test_replay_error_names_the_op_and_tensor(monkeypatch):
     m = deferred_init(nn.Linear, 2, 2)
     from deferinit.materialize import replay
 
-    original = replay.Replay._run_node
+    original = replay.Replay.run_node
 
     def failing(self, node, *args):
         if node.kind == "op" and node.target._opname == "uniform_":
             raise RuntimeError("simulated out of memory")
         return original(self, node, *args)
 
-    monkeypatch.setattr(replay.Replay, "_run_node", failing)
+    monkeypatch.setattr(replay.Replay, "run_node", failing)
     with pytest.raises(ReplayError, match=r"aten\.uniform_.*weight.*simulated out of memory.*Nothing was changed"):
         materialize_module(m)
     assert is_deferred(m.weight) and is_deferred(m.bias)

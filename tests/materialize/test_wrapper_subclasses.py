@@ -374,16 +374,16 @@ def test_a_quantized_model_is_replayed_one_weight_at_a_time(monkeypatch):
     draws: the full-precision weights never exist all at once, as they would in
     one replay of the record in order (every weight made before the first is
     quantized)."""
-    import deferinit.materialize.sharded as sharded
+    import deferinit.materialize.pipeline as pipeline
 
     replays = []
-    real_replay = sharded.Replay
+    real_replay = pipeline.Replay
 
     def spy(reads, **kwargs):
         replays.append(kwargs.get("labels"))
         return real_replay(reads, **kwargs)
 
-    monkeypatch.setattr(sharded, "Replay", spy)
+    monkeypatch.setattr(pipeline, "Replay", spy)
 
     def quantize(model):
         for m in model.modules():

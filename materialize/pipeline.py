@@ -1,0 +1,214 @@
+"""One materialization: plan -> replay -> dress -> swap -> hand over, all or nothing.
+
+Every way in (:func:`~deferinit.materialize.materialize_tensor`,
+:func:`~deferinit.materialize.materialize_module`,
+:func:`~deferinit.materialize.distributed.materialize_sharded`) runs
+:func:`materialize`, one sequence of steps:
+
+1. **plan**: the targets, plus the autograd leaves of those computed from
+   parameters with autograd (their graph is replayed on the leaf objects,
+   :class:`~deferinit.materialize.autograd.Binder`); cut into groups by a
+   sharding step when one is given and no graph must be rebuilt
+   (:class:`~deferinit.materialize.sharded.Sharding`: one storage or wrapper
+   at a time), else one group;
+2. **replay** each group (:class:`~deferinit.materialize.replay.Replay`),
+   each value freed at its last use, progress counted when asked; the
+   sharding step may then copy a group out of a storage much bigger than it
+   spans;
+3. **dress** each real tensor as its fake was (class, ``requires_grad``,
+   the autograd graph checked against eager's);
+4. **swap** them into the fake objects, wrappers rebuilt around them, the
+   recorded storages told their real memory (:class:`~deferinit.materialize.swap.Swaps`);
+5. **hand over** the generators (:mod:`deferinit.materialize.generators`).
+
+Everything is computed before anything is swapped in: a failure, or an
+interrupt at any line before the commit, leaves every tensor deferred and
+every generator as it was.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deferinit.plan import read_of
+
+from .errors import AutogradMaterializationError
+from .autograd import (
+    Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
+    with_fresh_graphs,
+)
+from .generators import committed_then_handed_over, records_of
+from .graphcheck import check_graph
+from .progress import start_progress
+from .replay import Replay
+from .swap import Swaps, dress
+
+
+def materialize(targets, *, device=None, inference: bool = False, progress=False, counted=None,
+                kept_deferred=None, wrappers=(), sharding=None) -> None:
+    """Make ``targets`` (``(name, fake)`` pairs) real, in place, all or nothing.
+
+    ``counted``: the fakes progress counts (default: the targets and their
+    autograd leaves); ``kept_deferred``: ``{id(fake): name}`` of parameters
+    left deferred, refused as autograd leaves; ``wrappers``: the wrapper
+    subclasses to rebuild around the real inner tensors, innermost first;
+    ``sharding``: a step that cuts the targets into groups replayed one at a
+    time (see :class:`~deferinit.materialize.sharded.Sharding`).
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 2, 2)
+        >>> materialize([("weight", m.weight), ("bias", m.bias)])
+        >>> is_deferred(m.weight), is_deferred(m.bias)
+        (False, False)
+    """
+    committed_then_handed_over(
+        lambda hand: _run(hand, targets, device, inference, progress, counted, kept_deferred, wrappers, sharding),
+        device,
+    )
+
+
+def _run(hand, targets, device, inference, progress, counted, kept_deferred, wrappers, sharding) -> None:
+    """The steps (see :class:`~deferinit.materialize.generators.HandOver`); the
+    fakes swapped out die with this frame."""
+    # -- plan
+    graphs = any(needs_graph(fake) or real_root_of(fake) for _, fake in targets)
+    binder = None
+    if graphs and not inference:
+        targets, binder = _with_leaves(targets, kept_deferred)
+    if counted is None:
+        counted = [fake for _, fake in targets]
+    # A group at a time needs no graph across groups: with graphs, one group.
+    units = sharding.groups(targets) if sharding is not None and not graphs else [targets]
+
+    shown = start_progress(progress, counted)
+    counted = {id(f) for f in counted}
+    try:
+        # -- replay
+        streams: dict = {}  # the latest replay stream of each record stream
+        computed = []  # (group, reads, reals, retaken, compacted)
+        for group in units:
+            computed.append(_replayed(group, device, inference, binder, shown, counted, streams, sharding))
+        fakes = [fake for group in units for _, fake in group]
+        records = records_of(fakes)
+        # -- dress, swap, hand over
+        _swap_in(hand, computed, fakes, inference, binder, wrappers, list(streams.values()), records)
+    except BaseException:
+        if shown is not None:
+            shown.close(ok=False)
+        raise
+    if shown is not None:
+        shown.close()
+
+
+def _with_leaves(targets, kept_deferred):
+    """The targets plus the deferred leaves of their autograd graphs (replayed
+    on those leaf objects, materialized with them), and the binder that hands
+    the leaf objects out."""
+    extra = deferred_leaves(targets)
+    for label, leaf in extra:
+        if kept_deferred and id(leaf) in kept_deferred:
+            raise AutogradMaterializationError(
+                f"{label.replace(' (its autograd leaf)', '')} was computed with autograd from "
+                f"parameter {kept_deferred[id(leaf)]}, which buffers_only=True leaves deferred; "
+                "materialize them together (buffers_only=False). Nothing was changed."
+            )
+    targets = list(targets) + extra
+    return targets, Binder(targets, lambda fake, t: dress(fake, t, False))
+
+
+def _replayed(group, device, inference, binder, shown, counted, streams, sharding) -> tuple:
+    """``(group, reads, reals, retaken, compacted)``: one group replayed; its
+    replay streams merged into ``streams`` (a later group's stream of a record
+    stream continues the earlier's)."""
+    reads = [read_of(fake) for _, fake in group]
+    labels = [name for name, _ in group]
+    fresh = fresh_reads(group, reads) if binder is not None else []
+    replay = Replay(reads + [r for _, r in fresh], device=device, inference=inference,
+                    labels=labels + [labels[i] for i, _ in fresh], autograd=binder)
+    if shown is not None:
+        replay.progress = shown.replay_callback(replay, [f if id(f) in counted else None for _, f in group])
+    reals = with_fresh_graphs(replay.run(), fresh, len(reads))
+    if shown is not None:
+        shown.draws_done(replay.draw_stats)
+    for rs in replay.plan.replay_streams:
+        earlier = streams.get(id(rs.post))
+        if earlier is not None:
+            rs.planned |= earlier.planned
+        streams[id(rs.post)] = rs
+    retaken = replay.retaken
+    # What only the replay kept alive goes with it (the binder holds the fakes).
+    replay.autograd = None
+    del replay
+    compacted = False
+    if sharding is not None and binder is None:
+        reals, compacted = sharding.compact(group, reals)
+    return group, reads, reals, retaken, compacted
+
+
+def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, records) -> None:
+    """Dress every result, swap them in, rebuild ``wrappers`` around them and
+    remember the real storages, all or nothing (see
+    :class:`~deferinit.materialize.generators.HandOver`)."""
+    pairs = []
+    for group, _, reals, retaken, _ in computed:
+        pairs += _dressed(group, reals, inference, binder, retaken)
+    _one_object_each(pairs, [name for group, *_ in computed for name, _ in group])
+    storages = [fake._storage for fake in fakes]
+    for storage, (_, real) in zip(storages, pairs):
+        if storage.shared:  # share_memory_() while deferred (model.share_memory())
+            real.share_memory_()
+    tokens = [leaf_token(fake) for fake in fakes]
+    swaps = Swaps(pairs, wrappers)
+    kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
+    try:
+        swaps.run()
+        for fake, token in zip(fakes, tokens):
+            if token is not None:
+                token.real = fake  # now real: graphs replayed later reach it
+                token.real_version = None if fake.is_inference() else fake._version
+        # The fakes are the real tensors now (``reals`` may have been swapped out).
+        at = 0
+        for group, reads, _, _, compacted in computed:
+            if not compacted:  # else nothing else can read that storage (see Sharding.compact)
+                swaps.remember(reads, storages[at:at + len(group)], fakes[at:at + len(group)])
+            at += len(group)
+        hand.streams, hand.records = streams, records
+        hand.committed = True
+    except BaseException:
+        if not hand.committed:
+            for token, real, version in kept:
+                token.real, token.real_version = real, version
+            swaps.undo()
+        raise
+
+
+def _dressed(group, reals, inference, binder, retaken=()) -> list:
+    """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
+    pairs = []
+    for i, ((name, fake), real) in enumerate(zip(group, reals)):
+        made = binder.made_for(fake) if binder is not None else None
+        if made is not None:
+            if not same_memory(made, real):
+                # The fake's data was replaced after autograd read it (.data =).
+                with torch.no_grad():
+                    made.data = real
+            if made.requires_grad != fake.requires_grad:
+                made.requires_grad_(fake.requires_grad)
+        if not inference:
+            real = view_again(real, fake)
+            check_graph(name, fake, real, binder)
+        pairs.append((fake, dress(fake, real, inference, made, i in retaken)))
+    return pairs
+
+
+def _one_object_each(pairs, names) -> None:
+    """Refuse two fakes that came out of the replay as one object."""
+    seen = {}
+    for (_, obj), name in zip(pairs, names):
+        other = seen.setdefault(id(obj), name)
+        if other is not name:
+            raise AutogradMaterializationError(
+                f"{other} and {name} are two tensor objects eagerly but came out of the replay as "
+                "one (two names for one value computed with autograd). Nothing was changed."
+            )
