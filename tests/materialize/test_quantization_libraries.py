@@ -274,3 +274,51 @@ def test_transformers_from_pretrained_quantized_inside_the_block(tiny_llama, kin
     ids = torch.tensor([[1, 2, 3, 4]])
     assert torch.equal(eager(ids).logits, d(ids).logits)
     assert type(d.model.layers[0].mlp.up_proj.weight) is type(eager.model.layers[0].mlp.up_proj.weight)
+
+
+def _hf_quantize(model, kind):
+    """transformers' own quantization path on a built model, as ``from_pretrained``
+    runs it while loading: the quantizer's ``preprocess_model`` (bitsandbytes:
+    ``replace_with_bnb_linear``, whose layers are empty on ``meta``), each weight
+    through the quantizer's quantize operation (bitsandbytes: ``Int8Params(w)`` /
+    ``Params4bit(w)`` then ``.to()``; torchao: ``quantize_`` of the layer), then
+    ``postprocess_model``; weights the quantizer leaves alone are put back."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(_quantization_config(kind))
+    quantizer.validate_environment(device_map={"": "cpu"})
+    weights = dict(model.state_dict(keep_vars=True))
+    quantizer.preprocess_model(model, device_map={"": "cpu"})
+    op = quantizer.get_quantize_ops()
+    for name, value in weights.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if quantizer.param_needs_quantization(model, name):
+            for key, new in op.convert({name: [value]}, model=model, full_layer_name=name, missing_keys=set()).items():
+                holder, _, leaf = key.rpartition(".")
+                model.get_submodule(holder)._parameters[leaf] = new
+        elif attr in module._parameters and module._parameters[attr].is_meta:
+            module._parameters[attr] = nn.Parameter(value.detach(), requires_grad=value.requires_grad)
+    quantizer.postprocess_model(model)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["bitsandbytes 8-bit", "bitsandbytes 4-bit", "torchao int8"])
+def test_transformers_quantizer_after_the_block(kind):
+    """A model built with from_config inside the block, quantized after it by
+    transformers' own quantizer: bitsandbytes' Int8Params(deferred weight)
+    raised PyTorch's "already associated to a python object of type FakeTensor"
+    (torch.Tensor._make_subclass took fakes only inside a fake mode)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True,
+    )
+    eager, d = _compare(
+        lambda: transformers.AutoModelForCausalLM.from_config(config), lambda m: _hf_quantize(m, kind), "after"
+    )
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.equal(eager(ids).logits, d(ids).logits)
+    weight = d.model.layers[0].mlp.up_proj.weight
+    assert type(weight) is type(eager.model.layers[0].mlp.up_proj.weight) and type(weight) is not nn.Parameter
+    assert (d.lm_head.weight is d.model.embed_tokens.weight) == (eager.lm_head.weight is eager.model.embed_tokens.weight)
