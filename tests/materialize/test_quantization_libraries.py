@@ -113,6 +113,57 @@ def test_torchao_quantize_(config, where):
     assert type(d[0].weight) is type(eager[0].weight) and type(d[0].weight) is not nn.Parameter
 
 
+def _int4_packing_formats():
+    try:
+        from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
+    except ImportError:  # pragma: no cover - depends on the environment
+        return []
+    return [f.name for f in Int4PackingFormat]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA these formats quantize: this checks the CPU refusal")
+@pytest.mark.parametrize("packing", _int4_packing_formats())
+def test_torchao_int4_packing_formats_refuse_on_cpu_as_eagerly(packing):
+    """Int4WeightOnlyConfig's packing formats need CUDA kernels (mslk, tinygemm)
+    or XPU: on CPU, eager quantize_ raises, and deferred (inside or after the
+    block) raises the same; after the block the model is left deferred and
+    materializes equal to the eager unquantized one."""
+    _library("torchao")
+    from torchao.quantization import Int4WeightOnlyConfig, quantize_
+    from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
+
+    def build():
+        return _mlp().to(torch.bfloat16)
+
+    def convert(m):
+        config = Int4WeightOnlyConfig(group_size=32, int4_packing_format=Int4PackingFormat[packing],
+                                      set_inductor_config=False)
+        quantize_(m, config)
+        return m
+
+    def failure(run):
+        with pytest.raises(Exception) as info:
+            run()
+        return type(info.value), str(info.value).splitlines()[0]
+
+    torch.manual_seed(0)
+    eager = build()
+    eager_failure = failure(lambda: convert(build()))
+
+    def inside():
+        with deferred():
+            convert(build())
+
+    assert failure(inside) == eager_failure
+    torch.manual_seed(0)
+    with deferred():
+        d = build()
+    assert failure(lambda: convert(d)) == eager_failure
+    assert is_deferred(d)
+    materialize_module(d)
+    assert_same_wrapped(eager, d)
+
+
 @pytest.mark.parametrize("where", ["inside", "after"])
 @pytest.mark.parametrize("fsdp_all_gather", [False, True], ids=["plain weights", "float8 all-gather weights"])
 def test_torchao_float8_training_conversion(where, fsdp_all_gather):
