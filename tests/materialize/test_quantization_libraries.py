@@ -228,7 +228,7 @@ def test_torchtune_qlora_builders(family):
 
 
 @pytest.mark.slow
-@pytest.mark.hunt  # about 8 minutes
+@pytest.mark.hunt  # about 10 CPU-minutes (2026-11-29: 38 min wall at load ~10 on 2 CPUs, passed)
 @pytest.mark.timeout(3600)
 def test_every_torchtune_qlora_builder_defers():
     """The full-size builders (7B to 70B), deferred: no memory, every base weight NF4
