@@ -65,8 +65,9 @@ TABLE = {
         why="``torch.Tensor._make_subclass(cls, fake)`` (Parameter subclasses with a __new__ of their "
         "own, lazy modules' placeholders) is on torch.overrides' list of functions that bypass "
         "torch-function modes; C++ would bind a second Python object to the fake.",
-        until="while any thread is inside a fake mode (deferred_init, deferred(), fake_mode); a "
-        "descriptor that answers PyTorch's own function in every other thread.",
+        until="while any thread is inside a fake mode (deferred_init, deferred(), fake_mode) and while "
+        "any fake is alive (a deferred model meets these classes after the block too: transformers' "
+        "quantizers make Int8Params of its weights); it hands anything but a fake to PyTorch's own.",
     ),
     "trunc normal": Replacement(
         owner=("torch.nn.init",),

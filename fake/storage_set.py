@@ -66,7 +66,8 @@ def _become_real(fake: torch.Tensor, args, kwargs, storage, internal) -> torch.T
         d = fake.__dict__
         requires_grad = fake.requires_grad
         if d.get("_is_param"):
-            real = torch.Tensor._make_subclass(d.get("_param_cls") or torch.nn.Parameter, real, requires_grad)
+            # PyTorch's own, not the diversion held while fakes live (subclass.py): real is real.
+            real = torch._C.TensorBase._make_subclass(d.get("_param_cls") or torch.nn.Parameter, real, requires_grad)
         elif requires_grad:
             real.requires_grad_(True)
         for key, value in d.items():

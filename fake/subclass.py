@@ -6,11 +6,15 @@ Parameter subclasses with a ``__new__`` of their own (bitsandbytes'
 ``torch.Tensor._make_subclass(cls, data, requires_grad)``.  On a fake, C++
 would bind a second Python object to the fake's C++ tensor and fail ("already
 associated to a python object").  While a fake mode is active (fake_mode,
-deferred_init), ``_make_subclass`` is diverted in that thread: for fake data it returns a new
-fake with the same value whose class derives from both ``FakeTensor`` and
-``cls`` (``isinstance(p, Int8Params)`` holds, ``cls``'s methods are there),
-and remembers ``cls``, so that materialization gives back an instance of
-``cls`` itself.  Anything else goes to PyTorch's own ``_make_subclass``.
+deferred_init) or a fake is alive, ``_make_subclass`` is diverted: for fake
+data it returns a new fake with the same value whose class derives from both
+``FakeTensor`` and ``cls`` (``isinstance(p, Int8Params)`` holds, ``cls``'s
+methods are there), and remembers ``cls``, so that materialization gives back
+an instance of ``cls`` itself.  Anything else goes to PyTorch's own
+``_make_subclass``.  A fake alive holds the diversion because a deferred
+model meets these classes after the block too (transformers' quantizers make
+``Int8Params(weight)`` of the model's deferred weights), and is recorded
+there as any operation on it.
 
 Lazy placeholders stay lazy: ``materialize(shape)`` at the first forward
 gives them a fake (deferred, when they are) of that shape, and turns them
@@ -21,12 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 
 import torch
 from torch.nn.parameter import Parameter, UninitializedTensorMixin
 
-from .guard import register
+from .alive import hold_while_fakes_live
 from .patch import shared_patch
 from .tensor import FakeTensor
 
@@ -132,44 +135,45 @@ def _materialize(self, shape, device=None, dtype=None) -> None:
         remember_class(self, become)
 
 
-class _Diversion:
-    """``torch.Tensor._make_subclass`` while some thread is in a fake mode: ours
-    in the threads inside a fake mode, PyTorch's own everywhere else, and for
-    ``torch._dynamo``, which registers the builtin itself when it is first
-    imported (that may happen in the middle of a recording).  The caller's
-    frame is read because no protocol serves: a descriptor is told the object
-    and class it is read from, never who reads it."""
+class _Diversion(staticmethod):
+    """``torch.Tensor._make_subclass`` while some thread is in a fake mode or a
+    fake is alive: ours (which hands anything but a fake to PyTorch's own).
+
+    Two readers get PyTorch's own instead.  ``torch._dynamo``'s import, which
+    registers the builtin itself for its polyfill (it may be first imported
+    in the middle of a recording): the caller's frame is read because no
+    protocol serves, a descriptor is told the object and class it is read
+    from, never who reads it.  And dynamo tracing a compiled function, which
+    reads class attributes statically (``inspect.getattr_static``): it finds
+    a ``staticmethod`` of PyTorch's own function and traces that, so a
+    compiled ``nn.Parameter(x)`` keeps its full graph while fakes live."""
+
+    def __init__(self):
+        super().__init__(_original)
 
     def __get__(self, obj, owner=None):
-        if getattr(_local, "depth", 0) and not sys._getframe(1).f_globals.get("__name__", "").startswith("torch._dynamo"):
-            return make_subclass
-        return _original
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "<module>" and caller.f_globals.get("__name__", "").startswith("torch._dynamo"):
+            return _original
+        return make_subclass
 
 
-_local = threading.local()
-
-#: Installed while any thread is in a fake mode (reference counted).
+#: Installed while any thread is in a fake mode, and while any fake is alive
+#: (reference counted; fake/alive.py).
 MAKE_SUBCLASS = shared_patch("make subclass", "torch.Tensor", lambda: torch.Tensor, lambda _: {"_make_subclass": _Diversion()})
+
+
+hold_while_fakes_live(MAKE_SUBCLASS)
 
 
 @contextlib.contextmanager
 def accepting_fakes(holder):
-    """``torch.Tensor._make_subclass`` takes fakes in this thread for the block,
-    held as ``holder`` (a :class:`~deferinit.fake.guard.Entry`, which puts the
-    depth back and releases the hold if the block's exit is interrupted)."""
-    depth = getattr(_local, "depth", 0)
+    """``torch.Tensor._make_subclass`` takes fakes for the block, held as
+    ``holder`` (a :class:`~deferinit.fake.guard.Entry`, which releases the
+    hold if the block's exit is interrupted)."""
     try:
         MAKE_SUBCLASS.acquire(holder)
-        _local.depth = depth + 1
         yield
     finally:
-        try: _leave(holder, depth)  # noqa: E701 - one line each: see deferinit.fake.guard
-        finally: _leave(holder, depth)  # noqa: E701
-
-
-def _leave(holder, depth) -> None:
-    _local.depth = depth
-    MAKE_SUBCLASS.release(holder)
-
-
-register(lambda: getattr(_local, "depth", 0), lambda depth: setattr(_local, "depth", depth))
+        try: MAKE_SUBCLASS.release(holder)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: MAKE_SUBCLASS.release(holder)  # noqa: E701

@@ -90,7 +90,9 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
 
 def _leaf(cls, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     if cls is not None:
-        return torch.Tensor._make_subclass(cls, real, requires_grad)
+        # PyTorch's own, not the diversion torch.Tensor holds while fakes live
+        # (fake/subclass.py): ``real`` is real, and this runs once per tensor.
+        return torch._C.TensorBase._make_subclass(cls, real, requires_grad)
     obj = real.detach()
     if requires_grad:
         obj.requires_grad_(True)

@@ -132,7 +132,9 @@ def assert_same_wrapped(eager: torch.nn.Module, deferred: torch.nn.Module) -> No
     carry (``deferinit.holdings``): every tensor a module holds has eager's
     class, ``Parameter``-ness and ``requires_grad``; every wrapper eager's
     flatten context; every plain tensor inside, eager's dtype, shape, device
-    and values; and none is fake."""
+    and values; and none is fake.  Ties too: the same names hold the same
+    object, and the same plain tensors inside share memory (storage and
+    offset), as eagerly."""
     from deferinit import is_deferred
     from deferinit.fake import is_fake
     from deferinit.holdings import module_tensors
@@ -157,3 +159,22 @@ def assert_same_wrapped(eager: torch.nn.Module, deferred: torch.nn.Module) -> No
             assert u.dtype == v.dtype and u.shape == v.shape and u.stride() == v.stride(), path
             assert u.device == v.device, path
             assert torch.equal(u.detach(), v.detach()), f"{path} differs from eager"
+    _assert_same_partition({n: id(t) for n, t in a.items()}, {n: id(t) for n, t in b.items()}, "tie")
+
+    def memory(module):
+        return {path: (u.untyped_storage().data_ptr(), u.storage_offset())
+                for name, t in {n: t for n, t, _, _ in module_tensors(module)}.items()
+                for path, u in flat_tensor(t, name) if isinstance(u, torch.Tensor) and u.numel()}
+
+    _assert_same_partition(memory(eager), memory(deferred), "shared memory")
+
+
+def _assert_same_partition(a: dict, b: dict, what: str) -> None:
+    """``a`` and ``b`` (name -> key) group the same names together."""
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    groups_a, groups_b = {}, {}
+    for n in a:
+        groups_a.setdefault(a[n], set()).add(n)
+        groups_b.setdefault(b[n], set()).add(n)
+    for n in a:
+        assert groups_a[a[n]] == groups_b[b[n]], f"{what} of {n}: eager {sorted(groups_a[a[n]])}, deferred {sorted(groups_b[b[n]])}"
