@@ -176,12 +176,14 @@ def child(case: str, mode: str, quick: bool) -> dict:
             result["seconds"] = time.perf_counter() - start
     else:
         raise SystemExit(f"unknown case {case}")
+    # Read before the checksum, whose float64 copies would otherwise be the
+    # peak (twice the largest tensor, in both processes).
+    result["peak_rss"] = peak_rss_bytes()
     tensors = [t for t in part.state_dict().values()]
     result["tensors"] = len(tensors)
     result["params"] = sum(t.numel() for t in tensors)
     # A checksum of the bits: equal values give equal sums, in the same order.
     result["checksum"] = float(sum(t.double().sum() * (i + 1) for i, t in enumerate(tensors)))
-    result["peak_rss"] = peak_rss_bytes()
     result["fallbacks"] = dict(FALLBACKS)
     return result
 

@@ -106,6 +106,7 @@ def holdings(module: torch.nn.Module, prefix: str = "", seen: set | None = None)
 # How deep the objects a tensor carries are walked (a QuantState's nested
 # state2 is two levels down).
 _ATTACHED_DEPTH = 3
+_SCALARS = (int, float, str, bool, type(None))
 
 
 def attached(t: torch.Tensor, name: str = "tensor") -> list[tuple[str, torch.Tensor]]:
@@ -121,34 +122,36 @@ def attached(t: torch.Tensor, name: str = "tensor") -> list[tuple[str, torch.Ten
         ['weight.scale', 'weight.state.absmax']
     """
     found: list = []
-    seen: set = {id(t)}
-
-    def visit(item_name, value, depth):
-        if id(value) in seen or isinstance(value, (torch.nn.Module, type)):
-            return
-        if isinstance(value, torch.Tensor):
-            seen.add(id(value))
-            found.append((item_name, value))
-            attrs(item_name, value, depth + 1)
-        elif isinstance(value, _CONTAINERS):
-            seen.add(id(value))
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for k, v in list(items):
-                visit(f"{item_name}[{k!r}]", v, depth)
-        elif depth < _ATTACHED_DEPTH:
-            seen.add(id(value))
-            attrs(item_name, value, depth + 1)
-
-    def attrs(owner_name, owner, depth):
-        d = getattr(owner, "__dict__", None)
-        if type(d) is not dict:
-            return
-        for key, value in list(d.items()):
-            if key not in INTERNAL_ATTRS and not isinstance(value, (int, float, str, bool, type(None))):
-                visit(f"{owner_name}.{key}", value, depth)
-
-    attrs(name, t, 0)
+    _attrs(name, t, 0, found, {id(t)})
     return found
+
+
+# Functions of the module, not closures: recursive closures are reference
+# cycles, garbage only the cyclic collector frees (three per tensor walked).
+def _visit(item_name, value, depth, found, seen):
+    if id(value) in seen or isinstance(value, (torch.nn.Module, type)):
+        return
+    if isinstance(value, torch.Tensor):
+        seen.add(id(value))
+        found.append((item_name, value))
+        _attrs(item_name, value, depth + 1, found, seen)
+    elif isinstance(value, _CONTAINERS):
+        seen.add(id(value))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in list(items):
+            _visit(f"{item_name}[{k!r}]", v, depth, found, seen)
+    elif depth < _ATTACHED_DEPTH:
+        seen.add(id(value))
+        _attrs(item_name, value, depth + 1, found, seen)
+
+
+def _attrs(owner_name, owner, depth, found, seen):
+    d = getattr(owner, "__dict__", None)
+    if type(d) is not dict:
+        return
+    for key, value in list(d.items()):
+        if key not in INTERNAL_ATTRS and not isinstance(value, _SCALARS):
+            _visit(f"{owner_name}.{key}", value, depth, found, seen)
 
 
 class _Walk:

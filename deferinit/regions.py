@@ -24,6 +24,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 from deferinit.fake.extent import extent
 
 
@@ -63,11 +65,7 @@ class Region:
     @classmethod
     def of(cls, value) -> "Region | None":
         """The region of a recorded value (None when it has no element)."""
-        for n in value.size:
-            if n == 0:
-                return None
-        size = value.dtype.itemsize
-        return cls(value.offset * size, value.size, tuple(s * size for s in value.stride), size)
+        return _region_of(value.offset, value.size, value.stride, value.dtype)
 
     @classmethod
     def interval(cls, lo: int, hi: int) -> "Region":
@@ -119,3 +117,15 @@ class Region:
 
     def __repr__(self) -> str:
         return f"<Region [{self.lo}, {self.hi}) sizes={list(self.sizes)} strides={list(self.strides)}{' dense' if self.dense else ''}>"
+
+
+# Regions are never changed once made, and a model repeats few geometries:
+# one Region per geometry, not one per value per pass (the liveness pass
+# and the allocations ask for every value's region; 50,000 small tensors).
+@functools.lru_cache(maxsize=4096)
+def _region_of(offset: int, size: tuple, stride: tuple, dtype) -> "Region | None":
+    for n in size:
+        if n == 0:
+            return None
+    width = dtype.itemsize
+    return Region(offset * width, size, tuple(s * width for s in stride), width)

@@ -81,23 +81,26 @@ def wrapper_layers(t: torch.Tensor) -> list[torch.Tensor]:
         >>> [w is outer for w in wrapper_layers(outer)]
         [False, True]
     """
+    if not is_wrapper(t):
+        return []
     layers: list = []
-    seen: set = set()
-
-    def walk(w):
-        if id(w) in seen:
-            return
-        seen.add(id(w))
-        names, _ = w.__tensor_flatten__()
-        for name in names:
-            inner = getattr(w, name)
-            if is_wrapper(inner):
-                walk(inner)
-        layers.append(w)
-
-    if is_wrapper(t):
-        walk(t)
+    _layers(t, layers, set())
     return layers
+
+
+def _layers(w, layers: list, seen: set) -> None:
+    # A function of the module, not a closure: a recursive closure is a
+    # reference cycle, garbage only the cyclic collector frees (one per
+    # tensor materialized).
+    if id(w) in seen:
+        return
+    seen.add(id(w))
+    names, _ = w.__tensor_flatten__()
+    for name in names:
+        inner = getattr(w, name)
+        if is_wrapper(inner):
+            _layers(inner, layers, seen)
+    layers.append(w)
 
 
 def deferred_inside(t) -> bool:
