@@ -10,7 +10,6 @@ is in a fake mode (:mod:`deferinit.fake.subclass`), ``nn.init``'s
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 from .locking import locked
@@ -80,8 +79,11 @@ class SharedPatch:
     def _change(self, change, holder) -> None:
         # Settled whatever line an interrupt arrives at (a finalizer's release,
         # whose interrupt Python swallows, included): see deferinit.fake.guard.
+        # Three settles: two interrupts (a finalizer's swallowed one and the next) leave a third.
         try: change(holder); self._settle()  # noqa: E701,E702
-        finally: self._settle()  # noqa: E701
+        finally:
+            try: self._settle()  # noqa: E701
+            finally: self._settle()  # noqa: E701
 
     def settle(self) -> None:
         """Put the replacements in place if anyone holds them, the originals back if
@@ -141,14 +143,27 @@ class SharedPatch:
         own = isinstance(module, type)
         return all((vars(module).get(n) if own else getattr(module, n, None)) is v for n, v in made.items())
 
-    @contextlib.contextmanager
-    def held(self):
-        holder = object()
-        try:
-            self.acquire(holder)
-            yield
-        finally:
-            self.release(holder)
+    def held(self) -> "Held":
+        """A context manager holding the patch for its block (see :class:`Held`)."""
+        return Held(self)
+
+
+class Held:
+    """Holds a :class:`SharedPatch` for a block; a class, not a generator (see
+    :mod:`deferinit.fake.guard`): its exit releases in one step, twice over, so
+    a second interrupt arriving in the first release leaves the second."""
+
+    __slots__ = ("patch", "holder")
+
+    def __init__(self, patch: SharedPatch) -> None:
+        self.patch, self.holder = patch, object()
+
+    def __enter__(self) -> None:
+        self.patch.acquire(self.holder)  # settled and released by the exit, however interrupted
+
+    def __exit__(self, *exc) -> None:
+        try: self.patch.release(self.holder)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: self.patch.release(self.holder)  # noqa: E701
 
 
 #: Every SharedPatch made, for :func:`settle_all`.

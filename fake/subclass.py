@@ -19,7 +19,6 @@ into the plain fake parameter or buffer that PyTorch would turn them into.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import threading
 
@@ -152,19 +151,26 @@ _local = threading.local()
 MAKE_SUBCLASS = shared_patch("make subclass", "torch.Tensor", lambda: torch.Tensor, lambda _: {"_make_subclass": _Diversion()})
 
 
-@contextlib.contextmanager
-def accepting_fakes(holder):
+class accepting_fakes:
     """``torch.Tensor._make_subclass`` takes fakes in this thread for the block,
     held as ``holder`` (a :class:`~deferinit.fake.guard.Entry`, which puts the
-    depth back and releases the hold if the block's exit is interrupted)."""
-    depth = getattr(_local, "depth", 0)
-    try:
-        MAKE_SUBCLASS.acquire(holder)
-        _local.depth = depth + 1
-        yield
-    finally:
-        try: _leave(holder, depth)  # noqa: E701 - one line each: see deferinit.fake.guard
-        finally: _leave(holder, depth)  # noqa: E701
+    depth back and releases the hold if the block's exit is interrupted).  A
+    class, not a generator (see :mod:`deferinit.fake.guard`)."""
+
+    __slots__ = ("holder", "depth")
+
+    def __init__(self, holder) -> None:
+        self.holder = holder
+        self.depth = None
+
+    def __enter__(self) -> None:
+        self.depth = getattr(_local, "depth", 0)
+        MAKE_SUBCLASS.acquire(self.holder)
+        _local.depth = self.depth + 1
+
+    def __exit__(self, *exc) -> None:
+        try: _leave(self.holder, self.depth)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: _leave(self.holder, self.depth)  # noqa: E701
 
 
 def _leave(holder, depth) -> None:

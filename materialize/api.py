@@ -8,7 +8,7 @@ import torch
 
 from deferinit.errors import AutogradMaterializationError
 from deferinit.exclusive import exclusive
-from deferinit.fake.guard import Entry
+from deferinit.fake.guard import Entry, restoring
 from deferinit.fake.locking import locked
 from deferinit.fake.tensor import is_fake
 from deferinit.holdings import attached, holdings
@@ -74,16 +74,9 @@ def _materialize_tensor(tensor, device, inference) -> None:
         wrappers += [w for w in _wrappers_of(t, name) if all(w is not x for x in wrappers)]
     if not targets:
         return
-    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-    collecting = gc.isenabled()
-    try:
-        _collector_paused(_materialize, targets, device=device, inference=inference, progress=False,
-                          wrappers=wrappers)
-    except BaseException:
-        entry.restore()
-        if collecting:
-            gc.enable()
-        raise
+    # An interrupted call leaves the thread as it found it, collector included (deferinit.fake.guard).
+    restoring(Entry(), _collector_paused, _materialize, targets, device=device, inference=inference,
+              progress=False, wrappers=wrappers)
 
 
 def materialize_module(
@@ -143,15 +136,9 @@ def _materialize_module(module, buffers_only, check_fn, device, inference, progr
     targets, left, counted, wrappers = _module_targets(module, buffers_only, check_fn)
     slots = _script_slots(module)
     if targets:
-        entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-        collecting = gc.isenabled()
-        try:
-            _collector_paused(_replay_module, module, targets, left, counted, wrappers, device, inference, progress)
-        except BaseException:
-            entry.restore()
-            if collecting:
-                gc.enable()
-            raise
+        # An interrupted call leaves the thread as it found it, collector included (deferinit.fake.guard).
+        restoring(Entry(), _collector_paused, _replay_module, module, targets, left, counted, wrappers, device,
+                  inference, progress)
     for script_module, name, tensor in slots:
         if not is_fake(tensor):
             # The Python object is real now; TorchScript's C++ slot still
@@ -314,6 +301,13 @@ def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, count
                 real.share_memory_()
         swaps = Swaps(pairs, wrappers)
         kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
+
+        def undo():
+            for token, real, version in kept:
+                token.real, token.real_version = real, version
+            swaps.undo()
+
+        hand.undone_by(undo)  # run by the hand-over's exit unless committed, whatever interrupts
         try:
             swaps.run()
             for fake, token in zip(fakes, tokens):
@@ -326,9 +320,7 @@ def _swap_in(hand, targets, *, device, inference, progress, kept_deferred, count
             hand.committed = True
         except BaseException:
             if not hand.committed:
-                for token, real, version in kept:
-                    token.real, token.real_version = real, version
-                swaps.undo()
+                undo()
             raise
     except BaseException:
         if shown is not None:

@@ -184,6 +184,7 @@ def _swap_in(hand, computed, inference, streams, records, wrappers=()) -> None:
             pairs.append((fake, dress(fake, real, inference)))
     storages_after = [[f._storage for _, f in group] for group, _, _, _ in computed]
     swaps = Swaps(pairs, wrappers)
+    hand.undone_by(swaps.undo)  # run by the hand-over's exit unless committed, whatever interrupts
     try:
         swaps.run()
         for (group, reads, reals, compacted), group_storages in zip(computed, storages_after):

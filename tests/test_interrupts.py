@@ -646,13 +646,7 @@ def test_a_real_sigint_at_a_random_time(scenario):
     assert interrupted >= SIGNAL_TRIALS // 4, f"only {interrupted} of {SIGNAL_TRIALS} trials were interrupted"
 
 
-_SUSPENDED = pytest.mark.xfail(strict=True, reason=(
-    "known gap: a second interrupt at the start of the `with` statement's exception handler "
-    "(before __exit__ is called) leaves deferinit.session._recording, a contextlib generator, "
-    "suspended; the collector closes it later and its undo runs then, out of order, inside an "
-    "unrelated later deferral, whose values then differ from eager's"))
-TWICE_SCENARIOS = [s for s in SCENARIOS if not isinstance(s, Deferral)] + [
-    pytest.param(Deferral(), marks=_SUSPENDED), pytest.param(Block(), marks=_SUSPENDED)]
+TWICE_SCENARIOS = SCENARIOS
 
 
 @trials
