@@ -141,16 +141,21 @@ class _Recording:
             noted = f"(raised inside {self.note})"
             if self.outer is None and isinstance(e, Exception) and noted not in getattr(e, "__notes__", ()):
                 e.add_note(noted)
-        _leave(self.entry, self.record, self.outer)
+        _leave(self.entry, self.record, self.outer, failed)
         self.done = True
 
 
-def _leave(entry, record, outer) -> None:
+def _leave(entry, record, outer, failed: bool) -> None:
     """End a recording block (idempotent): the thread's record stack and patches
-    as at its entry, and the outermost block's record closed and watched."""
+    as at its entry, and the outermost block's record closed and watched; or,
+    ``failed``, abandoned (:meth:`~deferinit.record.Record.abandon`)."""
     entry.leave()
     if outer is None:
+        if failed:
+            record.abandon()
         record.close()
+        if record.abandoned:
+            return
         if record.chained:
             seeding.hold_while_alive(record)
         pending.watch(record)

@@ -735,3 +735,32 @@ def test_the_trace_interrupt_reaches_the_projects_lines_and_would_be_noticed():
             deferred_init(nn.Linear, 2, 2)
     finally:
         sys.settrace(None)
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, ValueError])
+def test_a_failed_deferral_kept_alive_by_its_exception_is_not_continued(raised):
+    """A deferral that failed or was interrupted leaves the generators as they
+    were, so the next one starts where eager construction starts, even while
+    the exception keeps the failed call's frames, and so its record, alive
+    (``sys.last_value`` at a prompt, a handler keeping it; found by the
+    double-interrupt trials, where a trace-raised interrupt at a ``with``
+    handler's start left the first interrupt as the thread's handled
+    exception).  The next record used to continue the failed one's draws."""
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            raise raised("half built")
+
+    torch.manual_seed(0)
+    with pytest.raises(raised) as kept:
+        deferred_init(Half)
+    m = deferred_init(nn.Linear, 4, 4)
+    materialize_module(m)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    assert kept.value.__traceback__ is not None  # the failed call's frames are still alive here
+    assert_same_tensors(eager, m)
+    assert torch.equal(torch.rand(3), after)
