@@ -151,7 +151,7 @@ class Entry:
                 known = {id(m) for m in wanted}
                 wanted = wanted + [m for m in _stack(length, at) if id(m) not in known and not isinstance(m, ours)]
             _rebuild(wanted, length, at, pop, push)
-        # First: a registered stack may hold C++ guards (deferinit.fake.guards'
+        # First: a registered stack may hold C++ guards (deferinit.fake.gradmode's
         # inference-mode guard), whose release puts back grad mode and dispatch
         # keys as they were at the guard's entry, before the checks below.
         for (_, restore), saved in zip(_REGISTERED, self.saved):

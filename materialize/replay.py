@@ -16,8 +16,6 @@ that tensors computed from parameters get eager's graph.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from deferinit.errors import DeviceUnavailableError, ExternalTensorMutatedError, MaterializationError, ReplayError
@@ -26,6 +24,7 @@ from deferinit.liveness import GENERATOR, RUN
 from deferinit.plan import Plan, real_read, read_of
 from deferinit.fake.device import exists
 from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.gradmode import below_autograd
 from deferinit.fake.flat import flatten_output, unflatten
 from deferinit.fake.tensor import describe
 
@@ -125,7 +124,7 @@ class Replay(GradCalls, Plan):
         total = len(self.order)
         self._uses = uses
         self._borrowed = set()  # ids of outside tensors, read by reference
-        with Draws(self.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
+        with Draws(self.streams) as draws, no_python_dispatch(), below_autograd(self.inference), _DefaultDtype() as dtype_guard:
             binder = self.autograd
             for done, node in enumerate(self.order):
                 if binder is not None:
@@ -258,27 +257,9 @@ class Replay(GradCalls, Plan):
         )
 
 
-@contextlib.contextmanager
-def _grad_mode(inference: bool):
-    """``inference_mode()``, or ``no_grad()`` outside any ambient inference mode:
-    tensors recorded as normal ones stay normal when materialized inside one."""
-    if inference:
-        with torch.inference_mode():
-            yield
-    elif torch.is_inference_mode_enabled():
-        with torch.inference_mode(False), torch.no_grad():
-            yield
-    else:
-        # No inference-mode guard where none is needed: torch's is a C++ object
-        # that, when an interrupt keeps its exit from running, puts back the
-        # whole dispatch-key state it saved whenever the collector frees it,
-        # later and out of order (it excluded the Python keys for good).
-        with torch.no_grad():
-            yield
-
-
 class _DefaultDtype:
-    """Sets the default dtype a node was recorded under, restoring it at the end."""
+    """Sets the default dtype a node was recorded under, restoring it at the end
+    (a class, not a ``contextlib`` generator: see deferinit.fake.guard)."""
 
     def __init__(self):
         self.original = torch.get_default_dtype()
@@ -290,15 +271,17 @@ class _DefaultDtype:
             torch.set_default_dtype(dtype)
             self.current = dtype
 
+    def __enter__(self) -> "_DefaultDtype":
+        return self
 
-@contextlib.contextmanager
-def _default_dtype_guard():
-    guard = _DefaultDtype()
-    try:
-        yield guard
-    finally:
-        if guard.current is not guard.original:
-            torch.set_default_dtype(guard.original)
+    def __exit__(self, *exc) -> None:
+        try: self._restore()  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: self._restore()  # noqa: E701
+
+    def _restore(self) -> None:
+        if torch.get_default_dtype() is not self.original:
+            torch.set_default_dtype(self.original)
+        self.current = self.original
 
 
 def recorded_memory(node: Node) -> torch.Tensor:

@@ -659,11 +659,18 @@ def test_a_second_interrupt_during_the_undo_of_the_first(scenario):
     firsts = TWICE_FIRSTS or n
     interrupted = trials_run = 0
     for k in sorted({1 + (i * (n - 1)) // max(1, firsts - 1) for i in range(firsts)}):
-        # The lines the undo of an interrupt at k runs: counted by a run with that one interrupt.
-        state = scenario.setup()
-        _, total = _run_twice(scenario, state, k, 0)
-        scenario.check(state, True)
-        del state
+        # The lines the undo of an interrupt at k runs: counted by a run with that one
+        # interrupt.  A run may take fewer lines than the one counted (caches, and
+        # the collector's finalizers run at random points add lines or swallow an
+        # interrupt): a k such a run does not reach moves back to its last line.
+        for _ in range(3):
+            state = scenario.setup()
+            hit, total = _run_twice(scenario, state, k, 0)
+            scenario.check(state, True)
+            del state
+            if hit or total < 1:
+                break
+            k = min(k - 1, total)
         after = max(1, total - k)
         seconds = TWICE_SECONDS or after
         for j in sorted({1 + (i * (after - 1)) // max(1, seconds - 1) for i in range(seconds)}):
@@ -828,3 +835,35 @@ def test_an_interrupt_inside_a_finalizers_release_leaves_nothing_held():
     materialize_module(m)
     del m, record
     gc.collect()
+
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["inference=True", "inside an ambient inference mode"])
+def test_the_replays_inference_mode_guard_is_freed_in_order_when_its_exit_is_skipped(inference):
+    """The replay runs below autograd with an inference-mode guard (inference=True,
+    or inside an ambient inference mode), entered under no_python_dispatch:
+    torch's C++ object, which puts back the dispatch keys it saved (the
+    Python keys excluded) whenever it is freed.  An interrupt at a ``with``
+    handler's start skips its exit; held by a ``contextlib`` generator it was
+    freed when the collector closed the generator, after the call's Entry had
+    put the keys back: the Python keys excluded for good.  Held on the
+    thread's guard stack (deferinit.fake.gradmode), the Entry frees it first."""
+    from deferinit.fake.bypass import no_python_dispatch
+    from deferinit.fake.guard import Entry
+    from deferinit.materialize.replay import below_autograd
+
+    def state():
+        keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+        return [k.raw_repr() for k in keys], torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    with torch.inference_mode(not inference):
+        before = state()
+        entry = Entry()
+        bypass, below = no_python_dispatch(), below_autograd(inference)
+        bypass.__enter__()
+        below.__enter__()
+        assert torch.is_inference_mode_enabled() == inference
+        entry.restore()  # the interrupted call's undo, the two exits skipped
+        del bypass, below
+        gc.collect()
+        assert state() == before
