@@ -37,7 +37,7 @@ import torch
 
 from deferinit.fake.compiling import not_inlined
 from deferinit.fake.locking import locked
-from deferinit.fake.patch import shared_patch
+from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.state import in_fake_mode
 from deferinit.fake.tensor import FakeTensor
 
@@ -70,8 +70,7 @@ class _Hold:
         self.busy = 0
 
     def release(self) -> None:
-        for patch in reversed(PATCHES):
-            patch.release(self)
+        release_all(PATCHES, self)
 
 
 def watch(record) -> None:
@@ -101,7 +100,7 @@ def _watch(record, devices) -> None:
     # The release is registered before the hold, so that an interrupt between
     # the two leaves nothing held for good (a release of nothing is a no-op).
     hold = _watched[record] = _Hold(_epoch(), devices)
-    weakref.finalize(record, hold.release)
+    weakref.finalize(record, release_all, PATCHES, hold)  # release_all: safe in a finalizer
     for patch in PATCHES:
         patch.acquire(hold)
 

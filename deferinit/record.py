@@ -40,7 +40,7 @@ class Record:
 
     __slots__ = (
         "id", "label", "base", "streams", "entry", "entry_seed", "exit", "parents", "open", "markers",
-        "seeds", "lineage", "closed", "__weakref__",
+        "seeds", "lineage", "closed", "abandoned", "__weakref__",
     )
 
     def __init__(self, label: str = ""):
@@ -68,6 +68,8 @@ class Record:
         # right after this record's construction (set on close).
         self.lineage: dict = {}
         self.closed = False  # close() ran to its end
+        # The deferral failed or was interrupted (see abandon()).
+        self.abandoned = False
 
     # -- streams ------------------------------------------------------------------
 
@@ -221,6 +223,10 @@ class Record:
                 # construction ends there.
                 stream.event(end, SET, get_state(gen))
         self.markers.clear()
+        if self.abandoned:
+            # Nothing of it happened: no state user code set, no eager draws to continue.
+            self.closed = True
+            return
         for key in {CPU, *self.streams}:
             if type(key) is not GeneratorKey and gettable(key):
                 self._settle(key)
@@ -260,6 +266,23 @@ class Record:
         state = latest[2] if latest[1] == SET else seeded_state(key, latest[2])
         if fingerprint(get_state(gen)) != fingerprint(state):
             FOREIGN.set_state(gen, state)
+
+    def abandon(self) -> None:
+        """The deferral that made this record failed or was interrupted: it leaves
+        the generators as they were, so its draws count as never made.  The
+        next record must not continue its streams (:class:`Chains`), even while
+        something keeps it alive (the exception's traceback holds its frames:
+        ``sys.last_value`` at a prompt, a handler keeping the exception).  Set
+        before :meth:`close`; also after it, which then only stops the chaining.
+
+        Example::
+
+            >>> record = Record("M")
+            >>> record.abandon(); record.close()
+            >>> record.closed, record.chained
+            (True, False)
+        """
+        self.abandoned = True
 
     @property
     def chained(self) -> bool:
@@ -305,8 +328,8 @@ class Chains:
             return None
         ref, print_, _ = entry
         record = ref()
-        if record is None or not LINEAGE.descends(key, record.lineage.get(key)):
-            return None  # gone, or a seed or state was set since it closed
+        if record is None or record.abandoned or not LINEAGE.descends(key, record.lineage.get(key)):
+            return None  # gone, failed, or a seed or state was set since it closed
         if print_ != (fingerprint(state) if state is not None else None):
             return None
         return record.streams.get(key)

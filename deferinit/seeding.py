@@ -51,7 +51,7 @@ import torch
 
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.device import normalize
-from deferinit.fake.patch import shared_patch
+from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.tensor import FakeTensor
 
 from .record import CHAINS, FOREIGN, LINEAGE, Record, current_record
@@ -432,7 +432,7 @@ def hold_while_alive(record: Record) -> None:
     if record in _holders:
         return
     holder = _Holder()
-    weakref.finalize(record, _release_functions, holder)
+    weakref.finalize(record, release_all, FUNCTIONS, holder)  # release_all: safe in a finalizer
     _holders[record] = holder
     for patch in FUNCTIONS:
         patch.acquire(holder)
@@ -443,11 +443,6 @@ class _Holder:
 
 
 _holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _release_functions(holder) -> None:
-    for patch in reversed(FUNCTIONS):
-        patch.release(holder)
 
 
 def release_if_moot(record: Record) -> None:
@@ -476,7 +471,7 @@ def release_if_moot(record: Record) -> None:
         if LINEAGE.revivable(key, name) or LINEAGE.descends(key, name):
             return  # may still be handed over or continued there
     _holders.pop(record, None)
-    _release_functions(holder)
+    release_all(FUNCTIONS, holder)
 
 
 def _release_moot() -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 
 import torch
 
-from deferinit.fake.guard import Entry
+from deferinit.fake.guard import Entry, undoing
 from deferinit.fake.mode import fake_modes
 
 from . import patches, pending, seeding
@@ -44,8 +43,20 @@ def deferred_init(module_fn, *args, **kwargs):
     if not callable(module_fn):
         raise TypeError(f"deferred_init() expects a callable, got {type(module_fn).__name__}")
     label = _label(module_fn)
-    with _recording(label, f"deferred_init({label})"):
-        return module_fn(*args, **kwargs)
+    recording = _Recording(label, f"deferred_init({label})")
+    recording.__enter__()
+    # Not a ``with``: Python reports a line at the start of its exception
+    # handler, and a second interrupt there would skip ``__exit__``.  Three
+    # exits, each on one line and no bare ``try:`` line (Python reports a
+    # line there too, outside the block): wherever two interrupts arrive,
+    # one exit finishes (see deferinit.fake.guard).
+    try: result = module_fn(*args, **kwargs); recording.ok = True  # noqa: E701,E702
+    finally:
+        try: recording.end(not recording.ok)  # noqa: E701
+        finally:
+            try: recording.end(True)  # noqa: E701
+            finally: recording.end(True)  # noqa: E701
+    return result
 
 
 def deferred():
@@ -71,11 +82,10 @@ def deferred():
     # behaves differently by it): a context manager is not told its caller.
     caller = sys._getframe(1)
     where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
-    return _recording(f"deferred() at {where}", f"with deferred() at {where}")
+    return _Recording(f"deferred() at {where}", f"with deferred() at {where}")
 
 
-@contextlib.contextmanager
-def _recording(label: str, note: str):
+class _Recording:
     """Record everything made in the block: the outermost block opens a record
     and closes it on exit; nested blocks (either form) share it.
 
@@ -83,33 +93,69 @@ def _recording(label: str, note: str):
     interrupt arrives: the entry (:class:`~deferinit.fake.guard.Entry`) holds
     the block's patches and puts back the thread's modes and record stack;
     closing the record (which gives explicit generators their real states
-    back) is idempotent, and run by an exit an interrupt cannot skip."""
-    _refuse_unhonourable_modes(note)
-    entry = Entry()
-    outer = current_record()
-    record = outer if outer is not None else Record(label)
-    try:
-        open_records().append(record)
-        patches.TRUNC_NORMAL.acquire(entry)
-        seeding.hold(entry)
-        with fake_modes(RECORDER, record, fake_cuda=True):
-            yield record
-    except BaseException as e:
-        entry.restore()
-        if outer is None and isinstance(e, Exception) and hasattr(e, "add_note"):
-            e.add_note(f"(raised inside {note})")
-        raise
-    finally:
-        try: _leave(entry, record, outer)  # noqa: E701 - one line each: see deferinit.fake.guard
-        finally: _leave(entry, record, outer)  # noqa: E701
+    back) is idempotent.  A class, not a ``contextlib`` generator: an
+    interrupt keeping a generator's ``__exit__`` from running left it
+    suspended, and the collector closed it, running this undo, inside some
+    later, unrelated deferral (see :mod:`deferinit.fake.guard`)."""
+
+    __slots__ = ("label", "note", "entry", "outer", "record", "modes", "ok", "done")
+
+    def __init__(self, label: str, note: str) -> None:
+        self.label, self.note = label, note
+        self.entry = self.outer = self.record = self.modes = None
+        self.ok = False  # the body returned (deferred_init)
+        self.done = False
+
+    def __enter__(self):
+        _refuse_unhonourable_modes(self.note)
+        self.entry = Entry()
+        self.outer = current_record()
+        self.record = self.outer if self.outer is not None else Record(self.label)
+        undoing(lambda: self.end(True), self._open)
+        return self.record
+
+    def _open(self) -> None:
+        open_records().append(self.record)
+        patches.TRUNC_NORMAL.acquire(self.entry)
+        seeding.hold(self.entry)
+        self.modes = fake_modes(RECORDER, self.record, fake_cuda=True)
+        self.modes.__enter__()
+
+    def __exit__(self, kind, value, tb) -> None:
+        # No bare ``try:`` line first: Python reports a line there, outside the block.
+        try: self.end(kind is not None)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally:
+            try: self.end(True)  # noqa: E701
+            finally: self.end(True)  # noqa: E701
+
+    def end(self, failed: bool) -> None:
+        """Leave the block (idempotent): as it ended, or, ``failed``, with the
+        thread put back as at its entry; the outermost block's record closed."""
+        if self.done or self.entry is None:
+            return
+        if self.modes is not None:
+            self.modes.exit(failed)
+        if failed:
+            self.entry.restore()
+            e = sys.exc_info()[1]
+            noted = f"(raised inside {self.note})"
+            if self.outer is None and isinstance(e, Exception) and noted not in getattr(e, "__notes__", ()):
+                e.add_note(noted)
+        _leave(self.entry, self.record, self.outer, failed)
+        self.done = True
 
 
-def _leave(entry, record, outer) -> None:
+def _leave(entry, record, outer, failed: bool) -> None:
     """End a recording block (idempotent): the thread's record stack and patches
-    as at its entry, and the outermost block's record closed and watched."""
+    as at its entry, and the outermost block's record closed and watched; or,
+    ``failed``, abandoned (:meth:`~deferinit.record.Record.abandon`)."""
     entry.leave()
     if outer is None:
+        if failed:
+            record.abandon()
         record.close()
+        if record.abandoned:
+            return
         if record.chained:
             seeding.hold_while_alive(record)
         pending.watch(record)

@@ -90,6 +90,10 @@ def render() -> str:
             if kind == "class" and issubclass(obj, BaseException):
                 base = obj.__mro__[1].__name__
                 out.append(f"## `{public_module}.{name}({base})`")
+            elif kind == "class" and name[:1].islower():
+                # Named and used as a call (a context manager): its signature, as a function's.
+                call = _signature(obj).removesuffix(" -> 'None'")
+                out.append(f"## `{public_module}.{name}{call}`")
             elif kind == "class":
                 out.append(f"## `{public_module}.{name}`")
             else:

@@ -17,6 +17,7 @@ import threading
 import weakref
 
 from .locking import locked
+from .patch import release_all
 
 
 #: The patches every live fake holds (fake/assign.py adds torch.Tensor's .data and set_).
@@ -75,13 +76,9 @@ def _made() -> Life:
     # The holder is a name of its own (the token cannot hold itself),
     # released when the token dies; a release before the hold is a no-op.
     holder = object()
-    weakref.finalize(token, _release, holder)
+    weakref.finalize(token, release_all, HELD, holder)  # release_all: safe in a finalizer
     for patch in HELD:
         patch.acquire(holder)
     _current = weakref.ref(token)
     return token
 
-
-def _release(holder) -> None:
-    for patch in reversed(HELD):
-        patch.release(holder)

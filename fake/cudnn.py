@@ -16,7 +16,6 @@ thread reading ``torch.backends.cudnn.enabled`` meanwhile sees ``False``.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
@@ -24,18 +23,20 @@ import torch
 from .locking import locked
 
 _lock = threading.Lock()
-_holders = 0
-_saved: bool | None = None
+_holders: set = set()
+_saved: bool | None = None  # what the switch said before the first holder
 
 
 def _applies() -> bool:
     return bool(torch.backends.cudnn.is_available()) and not torch.cuda.is_available()
 
 
-@contextlib.contextmanager
-def cudnn_as_on_cpu_builds(fake_cuda: bool):
+class cudnn_as_on_cpu_builds:
     """Report cuDNN disabled while the block runs, if ``fake_cuda`` and this CUDA
-    build has no device (nothing changes otherwise).
+    build has no device (nothing changes otherwise).  Held as ``holder`` (a
+    :class:`~deferinit.fake.guard.Entry`, whose caller releases it with
+    :func:`release` if the block's exit is interrupted); a class, not a
+    generator (see :mod:`deferinit.fake.guard`).
 
     Example::
 
@@ -44,30 +45,40 @@ def cudnn_as_on_cpu_builds(fake_cuda: bool):
         >>> enabled == (torch.backends.cudnn.enabled and not _applies())
         True
     """
-    if not fake_cuda or not _applies():
-        yield
-        return
-    held = False
-    try:
-        held = locked(_lock, _take)
-        yield
+
+    __slots__ = ("fake_cuda", "holder")
+
+    def __init__(self, fake_cuda: bool, holder=None):
+        self.fake_cuda = fake_cuda
+        self.holder = object() if holder is None else holder
+
+    def __enter__(self) -> None:
+        if self.fake_cuda and _applies():
+            locked(_lock, _change, _holders.add, self.holder)
+
+    def __exit__(self, *exc) -> None:
+        release(self.holder)
+
+
+def release(holder) -> None:
+    """Stop holding as ``holder`` (idempotent: nothing if it does not hold)."""
+    if holder in _holders:
+        locked(_lock, _change, _holders.discard, holder)
+
+
+def _change(change, holder) -> None:
+    # Settled whatever line an interrupt arrives at: see deferinit.fake.guard.
+    try: change(holder); _settle()  # noqa: E701,E702
     finally:
-        if held:
-            locked(_lock, _give_back)
+        try: _settle()  # noqa: E701
+        finally: _settle()  # noqa: E701
 
 
-def _take() -> bool:
-    global _holders, _saved
-    if _holders == 0:
+def _settle() -> None:
+    global _saved
+    if _holders and _saved is None:
         _saved = torch._C._get_cudnn_enabled()
         torch._C._set_cudnn_enabled(False)
-    _holders += 1
-    return True
-
-
-def _give_back() -> None:
-    global _holders, _saved
-    _holders -= 1
-    if _holders == 0:
+    elif not _holders and _saved is not None:
         torch._C._set_cudnn_enabled(_saved)
         _saved = None

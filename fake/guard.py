@@ -18,12 +18,21 @@ Exits that must run although the interrupt may arrive in them are written
 ``try: leave()`` / ``finally: leave()`` with each clause on one line (and
 ``leave`` idempotent): the compiler then puts no instruction of its own
 before the protected call, so one interrupt anywhere, even at that line's
-start or inside the first ``leave()``, leaves the second to finish.
+start or inside the first ``leave()``, leaves the second to finish.  An
+undo that runs because a first interrupt arrived is itself one handler
+deep: a second interrupt at the handler's start (Python reports a line
+there) skips it, so :func:`undoing` nests two handlers, each on one line,
+and the second finishes what the first did not.  Context managers of the
+project are classes, never ``contextlib`` generators: an interrupt that
+keeps a generator's ``__exit__`` from running leaves the generator
+suspended, and the collector closes it, running its undo, at some later
+point, inside unrelated work.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 
 import torch
 import torch.utils._python_dispatch as _pd
@@ -104,7 +113,7 @@ class Entry:
         True
     """
 
-    __slots__ = ("functions", "dispatch", "flags", "grad", "dtype", "keys", "tf_state", "saved", "__weakref__")
+    __slots__ = ("functions", "dispatch", "flags", "grad", "dtype", "keys", "tf_state", "saved", "collecting", "__weakref__")
 
     #: Classes whose instances on a mode stack are the project's (set by fake/mode.py).
     OURS: tuple = ()
@@ -118,6 +127,7 @@ class Entry:
         self.keys = (_included(), _excluded())
         self.tf_state = _torch_function_state()
         self.saved = [save() for save, _ in _REGISTERED]
+        self.collecting = gc.isenabled()  # a materialization pauses the collector
 
     def restore(self) -> None:
         """Put the thread back as it was at the entry (idempotent): what a call that
@@ -141,6 +151,11 @@ class Entry:
                 known = {id(m) for m in wanted}
                 wanted = wanted + [m for m in _stack(length, at) if id(m) not in known and not isinstance(m, ours)]
             _rebuild(wanted, length, at, pop, push)
+        # First: a registered stack may hold C++ guards (deferinit.fake.gradmode's
+        # inference-mode guard), whose release puts back grad mode and dispatch
+        # keys as they were at the guard's entry, before the checks below.
+        for (_, restore), saved in zip(_REGISTERED, self.saved):
+            restore(saved)
         if full:
             # TorchDispatchMode's enter and exit keep these beside the stack; an
             # interrupt between the two halves of either leaves them wrong.
@@ -161,8 +176,8 @@ class Entry:
             if _torch_function_state() != self.tf_state:
                 _set_torch_function_state(self.tf_state)
             _put_keys_back(*self.keys)
-        for (_, restore), saved in zip(_REGISTERED, self.saved):
-            restore(saved)
+            if self.collecting and not gc.isenabled():
+                gc.enable()
         for patch in all_patches():
             patch.release(self)
             patch.settle()
@@ -203,11 +218,48 @@ def guarded(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        entry = Entry()
-        try:
-            return fn(*args, **kwargs)
-        except BaseException:
-            entry.restore()
-            raise
+        return undoing(Entry().restore, fn, *args, **kwargs)
 
     return call
+
+
+def undoing(undo, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)``; on any ``BaseException``, ``undo()`` (idempotent) runs
+    before the exception goes on, also when a second interrupt arrives at the
+    start of the first undo or inside it (two handlers, each on one line: the
+    second finishes what the first did not).
+
+    Example::
+
+        >>> done = []
+        >>> def work():
+        ...     done.append(1)
+        ...     raise KeyboardInterrupt
+        >>> try:
+        ...     undoing(done.clear, work)
+        ... except KeyboardInterrupt:
+        ...     done
+        []
+    """
+    try:
+        try: return fn(*args, **kwargs)  # noqa: E701 - one line each: see the module's docstring
+        except BaseException: undo(); raise  # noqa: E701,E702
+    except BaseException: undo(); raise  # noqa: E701,E702
+
+
+def restoring(entry: Entry, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` as a public call begun at ``entry``: on any
+    ``BaseException`` the thread is put back as it was then (:func:`undoing`).
+
+    Example::
+
+        >>> def interrupted():
+        ...     torch._C._set_grad_enabled(False)
+        ...     raise KeyboardInterrupt
+        >>> try:
+        ...     restoring(Entry(), interrupted)
+        ... except KeyboardInterrupt:
+        ...     torch.is_grad_enabled()
+        True
+    """
+    return undoing(entry.restore, fn, *args, **kwargs)

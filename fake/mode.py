@@ -18,9 +18,9 @@ stay below them.
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import sys
-from types import FunctionType
+from types import FunctionType, GeneratorType
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -30,11 +30,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import handlers
 from .copying import deepcopy_tensor
 from .cudnn import cudnn_as_on_cpu_builds
+from .cudnn import release as release_cudnn
 from .function import CONSTRUCTORS, rewrite_call, tensor_cuda, tensor_to, tensor_type_as
 from .reads import READS, read, reads_memory
 from .device import BACKENDLESS
 from .state import backend_meant, backend_stands_for, planning
-from .guard import Entry
+from .guard import Entry, undoing
 from .subclass import accepting_fakes
 from .tensor import REPORTED, FakeTensor, dispatches_itself, reported
 
@@ -366,42 +367,102 @@ def _surface(mode, stack: _Stack) -> None:
 Entry.OURS = (FakeFunctionMode, FakeDispatchMode)
 
 
-@contextlib.contextmanager
-def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = False):
-    """Enter a function mode and a dispatch mode for ``handler`` (internal).
+def fake_modes(handler, context=None, fake_cuda: bool = True, yields: bool = False) -> "FakeModes":
+    """Enter a function mode and a dispatch mode for ``handler`` (internal; see :class:`FakeModes`)."""
+    return FakeModes(handler, context, fake_cuda, yields)
+
+
+class FakeModes:
+    """A function mode and a dispatch mode for ``handler``, entered for a block.
 
     However the block ends, and wherever an interrupt arrives (also inside
     the modes' own enter and exit), the thread's mode stacks are left as they
     were, the user's own modes pushed in the block apart (see
-    :mod:`deferinit.fake.guard`)."""
-    entry = Entry()
-    function_mode = None
-    try:
-        function_mode = FakeFunctionMode(fake_cuda, getattr(handler, "fast", None), context)
-        dispatch_mode = FakeDispatchMode(handler, context, yields)
-        with accepting_fakes(entry), cudnn_as_on_cpu_builds(fake_cuda), function_mode, dispatch_mode:
-            # Fast paths stand in for the dispatch mode only while no user's
-            # dispatch mode sits above it (it sank below those entered before).
-            depth = _dispatch_depth()
-            if _dispatch_at(depth - 1) is dispatch_mode:
-                function_mode.partner_depth = depth
-            yield
-    except BaseException:
-        entry.restore()
-        raise
-    finally:
-        try: _end(entry, function_mode)  # noqa: E701 - one line each: see deferinit.fake.guard
-        finally: _end(entry, function_mode)  # noqa: E701
+    :mod:`deferinit.fake.guard`): a class whose exit runs three times over,
+    each on one line and the later ones finishing what an interrupt stopped,
+    not a generator a suspended ``with`` would leave for the collector."""
+
+    __slots__ = ("handler", "context", "fake_cuda", "yields", "entry", "function_mode", "entered", "done")
+
+    def __init__(self, handler, context=None, fake_cuda: bool = True, yields: bool = False) -> None:
+        self.handler, self.context, self.fake_cuda, self.yields = handler, context, fake_cuda, yields
+        self.entry = self.function_mode = None
+        self.entered: list = []
+        self.done = False
+
+    def __enter__(self) -> None:
+        self.entry = Entry()
+        undoing(self._failed, self._enter)
+
+    def _enter(self) -> None:
+        function_mode = self.function_mode = FakeFunctionMode(self.fake_cuda, getattr(self.handler, "fast", None), self.context)
+        dispatch_mode = FakeDispatchMode(self.handler, self.context, self.yields)
+        for cm in (accepting_fakes(self.entry), cudnn_as_on_cpu_builds(self.fake_cuda, self.entry), function_mode, dispatch_mode):
+            cm.__enter__()
+            self.entered.append(cm)
+        # Fast paths stand in for the dispatch mode only while no user's
+        # dispatch mode sits above it (it sank below those entered before).
+        depth = _dispatch_depth()
+        if _dispatch_at(depth - 1) is dispatch_mode:
+            function_mode.partner_depth = depth
+
+    def __exit__(self, kind, value, tb) -> None:
+        # No bare ``try:`` line first: Python reports a line there, outside the block.
+        try: self.exit(kind is not None)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally:
+            try: self.exit(True)  # noqa: E701
+            finally: self.exit(True)  # noqa: E701
+
+    def exit(self, failed: bool) -> None:
+        """Leave the block (idempotent): as it ended, or, ``failed``, putting the
+        thread back as at the entry."""
+        if self.done or self.entry is None:
+            return
+        if failed:
+            self._failed()
+        else:
+            for cm in reversed(self.entered):
+                cm.__exit__(None, None, None)
+            if self.function_mode is not None:
+                self.function_mode.closed = True
+            self.entry.leave()
+        self.done = True
+
+    def _failed(self) -> None:
+        if self.function_mode is not None:
+            self.function_mode.closed = True
+            _close_suspended_pops(self.function_mode)
+        release_cudnn(self.entry)
+        self.entry.restore()
 
 
-def _end(entry, function_mode) -> None:
-    if function_mode is not None:
-        function_mode.closed = True
-    entry.leave()
+# torch's own mode pops around a mode's Python-level call (handle_torch_function,
+# HigherOrderOperator dispatch): contextlib generators that push the mode back
+# in their ``finally``.
+_POPS = tuple(
+    getattr(getattr(fn, "__wrapped__", None), "__code__", None)
+    for fn in (getattr(torch.overrides, "_pop_mode_temporarily", None),
+               getattr(torch.utils._python_dispatch, "_pop_mode_temporarily", None))
+)
 
 
-@contextlib.contextmanager
-def fake_mode(*, fake_cuda: bool = False):
+def _close_suspended_pops(mode) -> None:
+    """Close now torch's suspended ``_pop_mode_temporarily`` generators holding
+    ``mode``: an interrupt inside contextlib's ``__exit__`` before it resumed
+    one leaves it suspended, and the collector closing it later would push
+    the (closed) mode back on the user's stack, after the guard put the stack
+    right.  Closed here, the push happens before the guard does.  Only on the
+    interrupted path: the collector's list of referrers is a walk over every
+    object."""
+    for ref in gc.get_referrers(mode):
+        if type(ref) is GeneratorType and ref.gi_code in _POPS and ref.gi_suspended:
+            try:
+                ref.close()
+            except Exception:  # noqa: BLE001 - torch's push failing leaves the stack for the guard
+                pass
+
+
+class fake_mode:
     """Context manager under which every new tensor is a :class:`FakeTensor`.
 
     Tensors made inside report their real device, shape, dtype and strides
@@ -427,6 +488,27 @@ def fake_mode(*, fake_cuda: bool = False):
         Parameter containing:
         tensor(..., size=(4096, 4096), device='cuda:0', requires_grad=True, fake=True)
     """
-    with fake_modes(handlers.plain(), None, fake_cuda, yields=True), planning():
-        yield
+
+    __slots__ = ("modes", "planning")
+
+    def __init__(self, *, fake_cuda: bool = False) -> None:
+        self.modes = FakeModes(handlers.plain(), None, fake_cuda, yields=True)
+        self.planning = planning()
+
+    def __enter__(self) -> None:
+        # planning()'s count is a stack the modes' entry puts back (deferinit.fake.state).
+        self.modes.__enter__()
+        undoing(lambda: self.modes.exit(True), self.planning.__enter__)
+
+    def __exit__(self, kind, value, tb) -> None:
+        # No bare ``try:`` line first: Python reports a line there, outside the block.
+        try: self._exit(kind is not None)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally:
+            try: self._exit(True)  # noqa: E701
+            finally: self._exit(True)  # noqa: E701
+
+    def _exit(self, failed: bool) -> None:
+        if not failed and not self.modes.done:
+            self.planning.__exit__(None, None, None)
+        self.modes.exit(failed)
 

@@ -10,7 +10,6 @@ is in a fake mode (:mod:`deferinit.fake.subclass`), ``nn.init``'s
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 from .locking import locked
@@ -80,8 +79,11 @@ class SharedPatch:
     def _change(self, change, holder) -> None:
         # Settled whatever line an interrupt arrives at (a finalizer's release,
         # whose interrupt Python swallows, included): see deferinit.fake.guard.
+        # Three settles: two interrupts (a finalizer's swallowed one and the next) leave a third.
         try: change(holder); self._settle()  # noqa: E701,E702
-        finally: self._settle()  # noqa: E701
+        finally:
+            try: self._settle()  # noqa: E701
+            finally: self._settle()  # noqa: E701
 
     def settle(self) -> None:
         """Put the replacements in place if anyone holds them, the originals back if
@@ -141,14 +143,56 @@ class SharedPatch:
         own = isinstance(module, type)
         return all((vars(module).get(n) if own else getattr(module, n, None)) is v for n, v in made.items())
 
-    @contextlib.contextmanager
-    def held(self):
-        holder = object()
-        try:
-            self.acquire(holder)
-            yield
-        finally:
-            self.release(holder)
+    def held(self) -> "Held":
+        """A context manager holding the patch for its block (see :class:`Held`)."""
+        return Held(self)
+
+
+class Held:
+    """Holds a :class:`SharedPatch` for a block; a class, not a generator (see
+    :mod:`deferinit.fake.guard`): its exit releases in one step, twice over, so
+    a second interrupt arriving in the first release leaves the second."""
+
+    __slots__ = ("patch", "holder")
+
+    def __init__(self, patch: SharedPatch) -> None:
+        self.patch, self.holder = patch, object()
+
+    def __enter__(self) -> None:
+        self.patch.acquire(self.holder)  # settled and released by the exit, however interrupted
+
+    def __exit__(self, *exc) -> None:
+        try: self.patch.release(self.holder)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: self.patch.release(self.holder)  # noqa: E701
+
+
+def release_all(patches, holder) -> None:
+    """Stop holding each of ``patches`` as ``holder``, the last first, also when an
+    interrupt arrives in it.  What the finalizers run when a holder's owner
+    dies: Python swallows an exception raised in a finalizer, so nothing
+    else would finish a release an interrupt stopped half way, and the
+    patches not reached yet would stay held for good.  Three passes, each on
+    one line (see :mod:`deferinit.fake.guard`); a release is idempotent.
+
+    Example::
+
+        >>> import math
+        >>> patch = SharedPatch("trunc normal", "torch.nn.init", lambda: math,
+        ...                     lambda m: {"_no_grad_trunc_normal_": 6.0})
+        >>> holder = patch.acquire()
+        >>> release_all([patch], holder)
+        >>> patch.users, hasattr(math, "_no_grad_trunc_normal_")
+        (0, False)
+    """
+    try: _release_each(patches, holder)  # noqa: E701 - one line each: see deferinit.fake.guard
+    finally:
+        try: _release_each(patches, holder)  # noqa: E701
+        finally: _release_each(patches, holder)  # noqa: E701
+
+
+def _release_each(patches, holder) -> None:
+    for patch in reversed(patches):
+        patch.release(holder)
 
 
 #: Every SharedPatch made, for :func:`settle_all`.

@@ -23,7 +23,6 @@ into the plain fake parameter or buffer that PyTorch would turn them into.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import torch
@@ -166,14 +165,20 @@ MAKE_SUBCLASS = shared_patch("make subclass", "torch.Tensor", lambda: torch.Tens
 hold_while_fakes_live(MAKE_SUBCLASS)
 
 
-@contextlib.contextmanager
-def accepting_fakes(holder):
+class accepting_fakes:
     """``torch.Tensor._make_subclass`` takes fakes for the block, held as
     ``holder`` (a :class:`~deferinit.fake.guard.Entry`, which releases the
-    hold if the block's exit is interrupted)."""
-    try:
-        MAKE_SUBCLASS.acquire(holder)
-        yield
-    finally:
-        try: MAKE_SUBCLASS.release(holder)  # noqa: E701 - one line each: see deferinit.fake.guard
-        finally: MAKE_SUBCLASS.release(holder)  # noqa: E701
+    hold if the block's exit is interrupted).  A class, not a generator (see
+    :mod:`deferinit.fake.guard`)."""
+
+    __slots__ = ("holder",)
+
+    def __init__(self, holder) -> None:
+        self.holder = holder
+
+    def __enter__(self) -> None:
+        MAKE_SUBCLASS.acquire(self.holder)
+
+    def __exit__(self, *exc) -> None:
+        try: MAKE_SUBCLASS.release(self.holder)  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: MAKE_SUBCLASS.release(self.holder)  # noqa: E701

@@ -7,7 +7,7 @@ import gc
 import torch
 
 from deferinit.exclusive import exclusive
-from deferinit.fake.guard import Entry
+from deferinit.fake.guard import Entry, restoring
 from deferinit.fake.locking import locked
 from deferinit.fake.tensor import is_fake
 from deferinit.holdings import attached, holdings
@@ -64,15 +64,8 @@ def _materialize_tensor(tensor, device, inference) -> None:
         wrappers += [w for w in _wrappers_of(t, name) if all(w is not x for x in wrappers)]
     if not targets:
         return
-    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-    collecting = gc.isenabled()
-    try:
-        _collector_paused(materialize, targets, device=device, inference=inference, wrappers=wrappers)
-    except BaseException:
-        entry.restore()
-        if collecting:
-            gc.enable()
-        raise
+    # An interrupted call leaves the thread as it found it, collector included (deferinit.fake.guard).
+    restoring(Entry(), _collector_paused, materialize, targets, device=device, inference=inference, wrappers=wrappers)
 
 
 def materialize_module(
@@ -128,19 +121,13 @@ def materialize_module(
 
 def _materialize_module(module, buffers_only, check_fn, device, inference, progress) -> None:
     slots = _script_slots(module)
-    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-    collecting = gc.isenabled()
-    try:
-        # One pause for the walk and the replay: the walk makes a few objects
-        # per tensor that live until the replay, and a collector let run in
-        # between makes a full pass over the record (with the walk in it: 4x
-        # the walk's own time on 25,000 nn.Linear).
-        _collector_paused(_targets_then_replay, module, buffers_only, check_fn, device, inference, progress)
-    except BaseException:
-        entry.restore()
-        if collecting:
-            gc.enable()
-        raise
+    # One pause for the walk and the replay: the walk makes a few objects per
+    # tensor that live until the replay, and a collector let run in between
+    # makes a full pass over the record (with the walk in it: 4x the walk's
+    # own time on 25,000 nn.Linear).  An interrupted call leaves the thread as
+    # it found it, collector included (deferinit.fake.guard).
+    restoring(Entry(), _collector_paused, _targets_then_replay, module, buffers_only, check_fn, device, inference,
+              progress)
     for script_module, name, tensor in slots:
         if not is_fake(tensor):
             # The Python object is real now; TorchScript's C++ slot still

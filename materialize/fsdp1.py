@@ -4,7 +4,6 @@ says so when FSDP1 was built without it."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import types
 
@@ -53,7 +52,6 @@ _FSDP1_HOOKS = shared_patch(
 )
 
 
-@contextlib.contextmanager
 def fsdp1_hooks():
     """Let ``FullyShardedDataParallel`` (FSDP1) recognise deferred modules.
 
@@ -72,8 +70,7 @@ def fsdp1_hooks():
         ...     model = FSDP(deferred_init(Net), param_init_fn=param_init_fn,
         ...                  device_id=torch.device("cpu"))
     """
-    with _FSDP1_HOOKS.held():
-        yield
+    return _FSDP1_HOOKS.held()  # a class-based context manager (see deferinit.fake.guard)
 
 
 def explain_data_access(error, fake):

@@ -23,6 +23,7 @@ target device is the one eager construction there would have advanced.
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 from deferinit.errors import MaterializationError
@@ -39,20 +40,31 @@ from .replay import Replay
 class HandOver:
     """One materialization's commit and generator hand-over, all or nothing.
 
-    The work (compute, then swap in) fills ``streams`` and ``records`` and sets
-    ``committed`` last, undoing its own swaps if it does not get there.  Until
-    then, any exception puts the default generators back in the states they
-    had (a replay borrows them for operators without a ``generator``
-    argument); after it, the hand-over runs to its end even if an interrupt
-    arrives in it (it is idempotent): the module is then entirely done,
-    generators included.
+    The work (compute, then swap in) registers how to undo its swaps
+    (:meth:`undone_by`) before it makes them, fills ``streams`` and
+    ``records`` and sets ``committed`` last.  :meth:`finish` decides once the
+    work has ended, however it ended: not committed, the swaps are undone and
+    the default generators put back in the states they had (a replay borrows
+    them for operators without a ``generator`` argument); committed, the
+    hand-over runs to its end even if an interrupt arrives in it: the module
+    is then entirely done, generators included.  Both are idempotent, so a
+    second interrupt inside the first finish leaves the second to finish.
     """
 
     def __init__(self):
         self.saved = [(gen, get_state(gen)) for _, gen in initialized_generators()]
         self.committed = False
+        self.worked = False  # the work returned
+        self.done = False
+        self.undos: list = []
         self.streams: list = []
         self.records: list = []
+        # The exception being handled when the call began (its frames are not ours to clear).
+        self.outer = sys.exc_info()[1]
+
+    def undone_by(self, undo) -> None:
+        """Have ``undo()`` (idempotent) run if the work ends without committing."""
+        self.undos.append(undo)
 
     def restore(self) -> None:
         for gen, state in self.saved:
@@ -62,9 +74,36 @@ class HandOver:
     def run(self, device) -> None:
         hand_over_generators(self.streams, device, self.records)
 
+    def finish(self, device) -> None:
+        """Undo or hand over, as the work ended (idempotent; see the class)."""
+        if self.done:
+            return
+        if self.committed or self.worked:
+            if not self.worked:
+                # Interrupted after the commit: the swapped-out fakes held by the
+                # finished frames go first, as on the ordinary path (see pipeline._run).
+                self._clear_finished_frames()
+            self.run(device)
+        else:
+            for undo in reversed(self.undos):
+                undo()
+            self.restore()
+        self.done = True
+
+    def _clear_finished_frames(self) -> None:
+        e, seen = sys.exc_info()[1], set()
+        while e is not None and e is not self.outer and id(e) not in seen:
+            seen.add(id(e))
+            traceback.clear_frames(e.__traceback__)  # frames still running are left alone
+            e = e.__context__
+
 
 def committed_then_handed_over(work, device) -> None:
     """Run ``work(hand)`` (see :class:`HandOver`), then hand the generators over.
+
+    Three exits, each on one line (see :mod:`deferinit.fake.guard`): wherever
+    two interrupts arrive (the first in the work or in the first exit, the
+    second in the next), a later exit finishes.
 
     Example::
 
@@ -73,21 +112,12 @@ def committed_then_handed_over(work, device) -> None:
         >>> committed_then_handed_over(work, None)
     """
     hand = HandOver()
-    try:
-        work(hand)
-    except BaseException as e:
-        if not hand.committed:
-            hand.restore()
-            raise
-        # Interrupted right after the commit: the swapped-out fakes held by the
-        # finished frames go first, as on the ordinary path (see pipeline._run).
-        traceback.clear_frames(e.__traceback__.tb_next)
-        hand.run(device)
-        raise
-    try: hand.run(device)  # noqa: E701 - one line: see deferinit.fake.guard
-    except BaseException:
-        hand.run(device)  # finish what the interrupt stopped (idempotent)
-        raise
+    try: work(hand); hand.worked = True  # noqa: E701,E702 - one line each: see deferinit.fake.guard
+    finally:
+        try: hand.finish(device)  # noqa: E701
+        finally:
+            try: hand.finish(device)  # noqa: E701
+            finally: hand.finish(device)  # noqa: E701
 
 
 def records_of(fakes) -> list:

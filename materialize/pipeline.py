@@ -161,6 +161,13 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
     tokens = [leaf_token(fake) for fake in fakes]
     swaps = Swaps(pairs, wrappers)
     kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
+
+    def undo():
+        for token, real, version in kept:
+            token.real, token.real_version = real, version
+        swaps.undo()
+
+    hand.undone_by(undo)  # run by the hand-over's exit unless committed, whatever interrupts
     try:
         swaps.run()
         for fake, token in zip(fakes, tokens):
@@ -177,9 +184,7 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
         hand.committed = True
     except BaseException:
         if not hand.committed:
-            for token, real, version in kept:
-                token.real, token.real_version = real, version
-            swaps.undo()
+            undo()
         raise
 
 

@@ -36,8 +36,6 @@ checkpoint's bytes into the tensor, or only the parts read later.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from deferinit.errors import MaterializationError, ReplayError
@@ -46,6 +44,7 @@ from deferinit.liveness import ALLOC, DIRECT, GENERATOR, RUN
 from deferinit.plan import Plan, real_read, read_of
 from deferinit.fake.device import exists
 from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.gradmode import below_autograd
 from deferinit.fake.flat import flatten_output, unflatten
 from deferinit.fake.opinfo import op_info
 from deferinit.fake.tensor import describe
@@ -171,7 +170,7 @@ class Replay:
         self._uses = uses
         self._borrowed = set()  # ids of outside tensors, read by reference
         try:
-            with Draws(plan.streams) as draws, no_python_dispatch(), _grad_mode(self.inference), _default_dtype_guard() as dtype_guard:
+            with Draws(plan.streams) as draws, no_python_dispatch(), below_autograd(self.inference), _DefaultDtype() as dtype_guard:
                 self.draws, self.dtype_guard = draws, dtype_guard
                 binder = self.autograd
                 run_node = self.run_node
@@ -541,27 +540,9 @@ def scratch_for(inp, device_map) -> torch.Tensor:
     return torch.empty_strided(value.size, value.stride, dtype=value.dtype, device=device_map(value.device))
 
 
-@contextlib.contextmanager
-def _grad_mode(inference: bool):
-    """``inference_mode()``, or ``no_grad()`` outside any ambient inference mode:
-    tensors recorded as normal ones stay normal when materialized inside one."""
-    if inference:
-        with torch.inference_mode():
-            yield
-    elif torch.is_inference_mode_enabled():
-        with torch.inference_mode(False), torch.no_grad():
-            yield
-    else:
-        # No inference-mode guard where none is needed: torch's is a C++ object
-        # that, when an interrupt keeps its exit from running, puts back the
-        # whole dispatch-key state it saved whenever the collector frees it,
-        # later and out of order (it excluded the Python keys for good).
-        with torch.no_grad():
-            yield
-
-
 class _DefaultDtype:
-    """Sets the default dtype a node was recorded under, restoring it at the end."""
+    """Sets the default dtype a node was recorded under, restoring it at the end
+    (a class, not a ``contextlib`` generator: see deferinit.fake.guard)."""
 
     def __init__(self):
         self.original = torch.get_default_dtype()
@@ -573,15 +554,17 @@ class _DefaultDtype:
             torch.set_default_dtype(dtype)
             self.current = dtype
 
+    def __enter__(self) -> "_DefaultDtype":
+        return self
 
-@contextlib.contextmanager
-def _default_dtype_guard():
-    guard = _DefaultDtype()
-    try:
-        yield guard
-    finally:
-        if guard.current is not guard.original:
-            torch.set_default_dtype(guard.original)
+    def __exit__(self, *exc) -> None:
+        try: self._restore()  # noqa: E701 - one line each: see deferinit.fake.guard
+        finally: self._restore()  # noqa: E701
+
+    def _restore(self) -> None:
+        if torch.get_default_dtype() is not self.original:
+            torch.set_default_dtype(self.original)
+        self.current = self.original
 
 
 def recorded_memory(node: Node) -> torch.Tensor:

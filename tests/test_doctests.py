@@ -16,6 +16,7 @@ MODULES = [
     "deferinit.fake.device",
     "deferinit.fake.function",
     "deferinit.fake.patch",
+    "deferinit.fake.gradmode",
     "deferinit.fake.calls",
     "deferinit.fake.subclass",
     "deferinit.fake.storage_set",

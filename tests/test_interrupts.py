@@ -28,6 +28,7 @@ import random
 import signal
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -373,12 +374,14 @@ trials = pytest.mark.skipif(PROFILE is None, reason="run by test_the_trials_in_a
 @pytest.mark.skipif(PROFILE is not None, reason="this is that process")
 @pytest.mark.timeout(1500)
 def test_the_trials_in_a_process_of_their_own():
-    """The CI profile in a fresh interpreter.  Known gap (issue 26 item 2, not
-    closed): after these trials, later tests of the same process (tests/
-    test_threads.py, test_state.py) can fail: an interrupted call leaves
-    something that is undone late (a suspended generator-based context
-    manager cleaned up by the collector at a random later point is the
-    suspect), so each trial ends whole but the process is not."""
+    """The CI profile in a fresh interpreter.  The trials leave the process
+    in a state no user's Ctrl-C gives: a trace function raising at the start
+    of a ``with`` statement's exception handler (where no real signal is
+    delivered) leaves CPython's handled exception set to the first interrupt
+    for good, its traceback keeping the interrupted call's frames alive
+    (harmless since a failed deferral's record is abandoned, but not the
+    state later tests expect).  Each trial is checked whole; the process is
+    not reused."""
     import subprocess
 
     env = dict(os.environ, DEFERINIT_INTERRUPTS="ci")
@@ -386,7 +389,7 @@ def test_the_trials_in_a_process_of_their_own():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200,
     )
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0, _failures(r)
 
 
 @pytest.mark.slow
@@ -395,12 +398,9 @@ def test_the_trials_in_a_process_of_their_own():
 @pytest.mark.timeout(1500)
 def test_a_wider_sweep_in_a_process_of_its_own():
     """``DEFERINIT_INTERRUPTS=wide``: 300 lines, 400 SIGINTs and 15 x 15 double
-    interrupts per scenario (docs/testing.md gives the figures).  It fails
-    today on known gaps (docs/testing.md 'Interrupts'): a second interrupt
-    inside the undo of materialize_module or a file load can skip the
-    generator hand-over (the default generator then differs from eager's) or
-    land inside Entry.restore itself (torch functions left ALL_DISABLED,
-    Python dispatch keys excluded)."""
+    interrupts per scenario (docs/testing.md gives the figures and what is
+    still open: one SIGINT failure of ``with deferred()`` seen once and not
+    reproduced)."""
     import subprocess
 
     env = dict(os.environ, DEFERINIT_INTERRUPTS="wide")
@@ -408,7 +408,15 @@ def test_a_wider_sweep_in_a_process_of_its_own():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1400,
     )
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.returncode == 0, _failures(r)
+
+
+def _failures(r) -> str:
+    """The first failure of the trials' process whole (later ones may only follow
+    from it), then the end of its output."""
+    first = r.stdout.find("\n___")
+    head = r.stdout[first:first + 8000] + "\n[...]\n" if first >= 0 else ""
+    return head + r.stdout[-4000:] + r.stderr[-3000:]
 
 
 class _AtLine:
@@ -646,13 +654,7 @@ def test_a_real_sigint_at_a_random_time(scenario):
     assert interrupted >= SIGNAL_TRIALS // 4, f"only {interrupted} of {SIGNAL_TRIALS} trials were interrupted"
 
 
-_SUSPENDED = pytest.mark.xfail(strict=True, reason=(
-    "known gap: a second interrupt at the start of the `with` statement's exception handler "
-    "(before __exit__ is called) leaves deferinit.session._recording, a contextlib generator, "
-    "suspended; the collector closes it later and its undo runs then, out of order, inside an "
-    "unrelated later deferral, whose values then differ from eager's"))
-TWICE_SCENARIOS = [s for s in SCENARIOS if not isinstance(s, Deferral)] + [
-    pytest.param(Deferral(), marks=_SUSPENDED), pytest.param(Block(), marks=_SUSPENDED)]
+TWICE_SCENARIOS = SCENARIOS
 
 
 @trials
@@ -664,11 +666,18 @@ def test_a_second_interrupt_during_the_undo_of_the_first(scenario):
     firsts = TWICE_FIRSTS or n
     interrupted = trials_run = 0
     for k in sorted({1 + (i * (n - 1)) // max(1, firsts - 1) for i in range(firsts)}):
-        # The lines the undo of an interrupt at k runs: counted by a run with that one interrupt.
-        state = scenario.setup()
-        _, total = _run_twice(scenario, state, k, 0)
-        scenario.check(state, True)
-        del state
+        # The lines the undo of an interrupt at k runs: counted by a run with that one
+        # interrupt.  A run may take fewer lines than the one counted (caches, and
+        # the collector's finalizers run at random points add lines or swallow an
+        # interrupt): a k such a run does not reach moves back to its last line.
+        for _ in range(3):
+            state = scenario.setup()
+            hit, total = _run_twice(scenario, state, k, 0)
+            scenario.check(state, True)
+            del state
+            if hit or total < 1:
+                break
+            k = min(k - 1, total)
         after = max(1, total - k)
         seconds = TWICE_SECONDS or after
         for j in sorted({1 + (i * (after - 1)) // max(1, seconds - 1) for i in range(seconds)}):
@@ -741,3 +750,127 @@ def test_the_trace_interrupt_reaches_the_projects_lines_and_would_be_noticed():
             deferred_init(nn.Linear, 2, 2)
     finally:
         sys.settrace(None)
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, ValueError])
+def test_a_failed_deferral_kept_alive_by_its_exception_is_not_continued(raised):
+    """A deferral that failed or was interrupted leaves the generators as they
+    were, so the next one starts where eager construction starts, even while
+    the exception keeps the failed call's frames, and so its record, alive
+    (``sys.last_value`` at a prompt, a handler keeping it; found by the
+    double-interrupt trials, where a trace-raised interrupt at a ``with``
+    handler's start left the first interrupt as the thread's handled
+    exception).  The next record used to continue the failed one's draws."""
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            raise raised("half built")
+
+    torch.manual_seed(0)
+    with pytest.raises(raised) as kept:
+        deferred_init(Half)
+    m = deferred_init(nn.Linear, 4, 4)
+    materialize_module(m)
+    after = torch.rand(3)
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    assert kept.value.__traceback__ is not None  # the failed call's frames are still alive here
+    assert_same_tensors(eager, m)
+    assert torch.equal(torch.rand(3), after)
+
+
+
+def _project_finalizers() -> list:
+    """``(func, args)`` of every finalizer of the project's files pending now."""
+    found = []
+    for f, info in list(weakref.finalize._registry.items()):
+        if getattr(info.func, "__module__", None) is None or info.func.__module__.split(".")[0] != "deferinit":
+            continue
+        found.append((info.func, info.args))
+    return found
+
+
+def test_an_interrupt_inside_a_finalizers_release_leaves_nothing_held():
+    """Python swallows an exception raised in a finalizer, so a release an
+    interrupt stopped half way was never finished: the patches after it
+    stayed held (the generator API diverted for good).  Every finalizer the
+    project registers (a deferred model, its pending draws, a fake alive)
+    is run under one or two interrupts at each of its lines: every patch is
+    let go and settled."""
+    from deferinit.fake.patch import release_all
+
+    torch.manual_seed(0)
+    with deferred() as record:  # watched for pending draws, the generator API held
+        m = nn.Linear(2, 2)
+    finalizers = _project_finalizers()
+    assert len({id(args[0]) for func, args in finalizers if func is release_all}) == 3, finalizers
+    for func, args in finalizers:
+        if func is not release_all:
+            assert type(func).__name__ == "builtin_function_or_method", func  # no line to interrupt
+            continue
+        patches, holder = args
+        k = 0
+        while True:
+            k += 1
+            runs = []
+            for j in (0, 1, 2, 5):
+                for patch in patches:
+                    patch.acquire(holder)
+                tracer = _Twice(k, j)
+                sys.setprofile(tracer.profile)
+                sys.settrace(tracer)
+                try:
+                    func(*args)
+                except KeyboardInterrupt:
+                    pass  # as the collector does
+                finally:
+                    sys.setprofile(None)
+                    sys.settrace(None)
+                runs.append(tracer.raised)
+                for patch in patches:
+                    assert holder not in patch._holders, f"{patch.key} on {patch.owner} still held (k={k}, j={j})"
+                    assert patch.installed() == bool(patch.users), f"{patch.key} on {patch.owner} half done (k={k}, j={j})"
+            if not any(runs):
+                break  # past the release's last line
+        assert k > len(patches), k
+    for func, args in finalizers:  # held again, as the finalizers, still pending, expect
+        if func is release_all:
+            for patch in args[0]:
+                patch.acquire(args[1])
+    materialize_module(m)
+    del m, record
+    gc.collect()
+
+
+
+@pytest.mark.parametrize("inference", [True, False], ids=["inference=True", "inside an ambient inference mode"])
+def test_the_replays_inference_mode_guard_is_freed_in_order_when_its_exit_is_skipped(inference):
+    """The replay runs below autograd with an inference-mode guard (inference=True,
+    or inside an ambient inference mode), entered under no_python_dispatch:
+    torch's C++ object, which puts back the dispatch keys it saved (the
+    Python keys excluded) whenever it is freed.  An interrupt at a ``with``
+    handler's start skips its exit; held by a ``contextlib`` generator it was
+    freed when the collector closed the generator, after the call's Entry had
+    put the keys back: the Python keys excluded for good.  Held on the
+    thread's guard stack (deferinit.fake.gradmode), the Entry frees it first."""
+    from deferinit.fake.bypass import no_python_dispatch
+    from deferinit.fake.guard import Entry
+    from deferinit.materialize.replay import below_autograd
+
+    def state():
+        keys = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+        return [k.raw_repr() for k in keys], torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    with torch.inference_mode(not inference):
+        before = state()
+        entry = Entry()
+        bypass, below = no_python_dispatch(), below_autograd(inference)
+        bypass.__enter__()
+        below.__enter__()
+        assert torch.is_inference_mode_enabled() == inference
+        entry.restore()  # the interrupted call's undo, the two exits skipped
+        del bypass, below
+        gc.collect()
+        assert state() == before

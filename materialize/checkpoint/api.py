@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from deferinit.exclusive import exclusive
-from deferinit.fake.guard import Entry
+from deferinit.fake.guard import Entry, restoring
 from deferinit.fake.locking import locked
 
 from .errors import CheckpointError
@@ -69,12 +69,8 @@ def load_checkpoint(module: torch.nn.Module, source, *, strict: bool = True, pre
 
 
 def _guarded_load(module, source, **options) -> LoadResult:
-    entry = Entry()  # an interrupted call leaves the thread as it found it (deferinit.fake.guard)
-    try:
-        return _load(module, source, **options)
-    except BaseException:
-        entry.restore()
-        raise
+    # An interrupted call leaves the thread as it found it (deferinit.fake.guard).
+    return restoring(Entry(), _load, module, source, **options)
 
 
 def _load(module, source, *, strict, prefix, rename) -> LoadResult:
