@@ -110,14 +110,17 @@ class _Recording:
         _refuse_unhonourable_modes(self.note)
         self.entry = Entry()
         self.outer = current_record()
-        self.record = self.outer if self.outer is not None else Record(self.label)
         undoing(lambda: self.end(True), self._open)
         return self.record
 
     def _open(self) -> None:
-        open_records().append(self.record)
         patches.TRUNC_NORMAL.acquire(self.entry)
         seeding.hold(self.entry)
+        # The record reads the generators' entry states once the seeding API
+        # is diverted: a seed another thread sets from then on is logged
+        # (record.FOREIGN), not taken for this thread's own at its first draw.
+        self.record = self.outer if self.outer is not None else Record(self.label)
+        open_records().append(self.record)
         self.modes = fake_modes(RECORDER, self.record, fake_cuda=True)
         self.modes.__enter__()
 
@@ -150,7 +153,7 @@ def _leave(entry, record, outer, failed: bool) -> None:
     as at its entry, and the outermost block's record closed and watched; or,
     ``failed``, abandoned (:meth:`~deferinit.record.Record.abandon`)."""
     entry.leave()
-    if outer is None:
+    if outer is None and record is not None:  # None: interrupted before it was made
         if failed:
             record.abandon()
         record.close()
