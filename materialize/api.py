@@ -140,12 +140,8 @@ def _targets_then_replay(module, buffers_only, check_fn, device, inference, prog
     # materializing: tensors another call made real meanwhile are done.
     targets, left, counted, wrappers = _module_targets(module, buffers_only, check_fn)
     if targets:
-        _replay_module(module, targets, left, counted, wrappers, device, inference, progress)
-
-
-def _replay_module(module, targets, left, counted, wrappers, device, inference, progress) -> None:
-    materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left,
-                counted=counted, wrappers=wrappers, sharding=sharding_of(module, wrappers))
+        materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left,
+                    counted=counted, wrappers=wrappers, sharding=sharding_of(module, wrappers))
 
 
 def _script_slots(module) -> list:
@@ -173,8 +169,8 @@ def _collector_paused(fn, *args, **kwargs):
     later that it would have collected now; it is lifted when the replay ends,
     and left alone if something else paused the collector.  (A function, not
     a generator-based context manager: an interrupted generator is closed by
-    the collector at some later time; the callers' undo re-enables it if an
-    interrupt lands between the pause and the ``try``.)
+    the collector at some later time; the callers' Entry puts the collector
+    back if an interrupt lands between the pause and the ``try``.)
     """
     if not gc.isenabled():
         return fn(*args, **kwargs)
