@@ -181,15 +181,6 @@ def test_accelerate_cpu_offload_of_a_deferred_model_works_as_eagerly():
     assert not is_fake(out) and torch.equal(out, eager.eval()(X))
 
 
-def test_accelerate_dispatch_model_names_itself_and_the_fix(tmp_path):
-    model = _built(True)
-    with pytest.raises(FakeDataAccessError, match=r"inside accelerate\.big_modeling\.dispatch_model \(called at") as info:
-        accelerate.dispatch_model(model, device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"},
-                                  offload_dir=str(tmp_path))
-    assert "materialize it first (materialize_module(model)), then call dispatch_model" in str(info.value)
-    assert is_deferred(model)
-
-
 def _module_state(model):
     """What each module holds, by identity: its __dict__ (hooks, a forward put in
     place), parameters and buffers."""
@@ -200,17 +191,87 @@ def _module_state(model):
     }
 
 
+def test_accelerate_disk_offload_of_a_deferred_model_works_as_eagerly(tmp_path):
+    """disk_offload writes each weight's values under offload_dir (numpy() of a
+    deferred tensor computes them), moves the parameters to meta and reads the
+    files back in each forward: the files hold eager's bytes, the buffers left
+    on the module materialize, and the generator afterwards is eager's."""
+    eager = _built(False)
+    accelerate.disk_offload(eager, str(tmp_path / "eager"), execution_device="cpu")
+    after_eager = torch.rand(8)
+    model = _built(True)
+    accelerate.disk_offload(model, str(tmp_path / "deferred"), execution_device="cpu")
+    assert is_deferred(model)  # the BatchNorm buffers stay on the module, deferred
+    files = sorted(p.name for p in (tmp_path / "eager").iterdir())
+    assert sorted(p.name for p in (tmp_path / "deferred").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "deferred" / name).read_bytes() == (tmp_path / "eager" / name).read_bytes(), name
+    materialize_module(model)
+    assert not is_deferred(model)
+    assert torch.equal(torch.rand(8), after_eager)
+    out = model.eval()(X)
+    assert not is_fake(out) and torch.equal(out, eager.eval()(X))
+
+
+def _tied():
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    net[2].weight = net[0].weight
+    return net
+
+
+def test_accelerate_dispatch_model_of_tied_weights_is_refused_before_anything_changes(tmp_path):
+    """With tied weights dispatch_model asks their data_ptr() (its map of tied
+    weights, big_modeling.py) before it attaches any hook: the refusal then
+    comes before the model changed, and the fix gives eager's dispatch."""
+    device_map = {"0": "cpu", "1": "cpu", "2": "disk"}
+    eager = _built(False, _tied)
+    accelerate.dispatch_model(eager, device_map=device_map, offload_dir=str(tmp_path / "eager"))
+    after_eager = torch.rand(8)
+    model = _built(True, _tied)
+    before = _module_state(model)
+    with pytest.raises(FakeDataAccessError, match="then call dispatch_model"):
+        accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path / "deferred"))
+    assert _module_state(model) == before
+    materialize_module(model)  # the fix: materialize first, then dispatch
+    assert torch.equal(torch.rand(8), after_eager)
+    accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path / "fixed"))
+    x = X[:, :4]
+    assert torch.equal(model(x), eager(x))
+
+
+# Without ties, nothing dispatch_model does before attaching its hooks needs a
+# fake's memory: the "disk" entry's weights are values (numpy(), answered by
+# computing them, as disk_offload shows), and with force_hooks there is no
+# "disk" entry at all.  add_hook_to_module sets _old_forward on a module
+# (accelerate/hooks.py) before the hook's init_hook asks that module's first
+# tensor for data_ptr() (set_module_tensor_to_device, utils/modeling.py).
+_DISPATCHES = {
+    "a disk entry": dict(device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"}),
+    "force_hooks": dict(device_map={"": "cpu"}, force_hooks=True),
+}
+
+
+@pytest.mark.parametrize("dispatch", list(_DISPATCHES))
+def test_accelerate_dispatch_model_names_itself_and_the_fix(tmp_path, dispatch):
+    model = _built(True)
+    with pytest.raises(FakeDataAccessError, match=r"inside accelerate\.big_modeling\.dispatch_model \(called at") as info:
+        accelerate.dispatch_model(model, offload_dir=str(tmp_path), **_DISPATCHES[dispatch])
+    assert "materialize it first (materialize_module(model)), then call dispatch_model" in str(info.value)
+    assert is_deferred(model)
+
+
 @pytest.mark.xfail(strict=True, reason=(
-    "dispatch_model asks data_ptr() (its map of tied weights) of the first module with tensors of its own, "
-    "after attaching its hook to the modules before it (here the root): the refusal comes from inside the "
-    "call, and no protocol tells the project where a library call starts; remove_hook_from_module(model, "
+    "accelerate's add_hook_to_module sets _old_forward on a module before the hook's init_hook asks "
+    "that module's first tensor for data_ptr() (set_module_tensor_to_device's map of tied weights), "
+    "which a deferred tensor, having no memory, refuses: the refusal comes from inside the call, and "
+    "no protocol tells the project where a library call starts; remove_hook_from_module(model, "
     "recurse=True) takes the hooks off (docs/libraries.md#accelerate)"))
-def test_accelerate_dispatch_model_refused_leaves_the_model_as_it_was(tmp_path):
+@pytest.mark.parametrize("dispatch", list(_DISPATCHES))
+def test_accelerate_dispatch_model_refused_leaves_the_model_as_it_was(tmp_path, dispatch):
     model = _built(True)
     before = _module_state(model)
     with pytest.raises(FakeDataAccessError, match="then call dispatch_model"):
-        accelerate.dispatch_model(model, device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"},
-                                  offload_dir=str(tmp_path))
+        accelerate.dispatch_model(model, offload_dir=str(tmp_path), **_DISPATCHES[dispatch])
     assert _module_state(model) == before
 
 
