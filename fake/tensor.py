@@ -278,7 +278,9 @@ class FakeTensor(torch.Tensor):
     def data_ptr(self):
         where = handlers.for_args((self,), None).where()
         error = FakeDataAccessError("data_ptr()", describe(self), _no_memory(self, f"A fake tensor has no memory, hence no address{where}."))
-        raise handlers.explain_data_access(error, self)
+        # The handler decides: a deferred tensor may be given its real memory
+        # (it becomes real, in place), a plain fake has none.
+        return handlers.for_args((self,), None).address(self, error)
 
     def untyped_storage(self):
         # The shadow's meta storage, shared by every alias (see fake/storage.py).

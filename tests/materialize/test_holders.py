@@ -214,65 +214,79 @@ def test_accelerate_disk_offload_of_a_deferred_model_works_as_eagerly(tmp_path):
 
 
 def _tied():
-    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    net = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6))
     net[2].weight = net[0].weight
     return net
 
 
-def test_accelerate_dispatch_model_of_tied_weights_is_refused_before_anything_changes(tmp_path):
-    """With tied weights dispatch_model asks their data_ptr() (its map of tied
-    weights, big_modeling.py) before it attaches any hook: the refusal then
-    comes before the model changed, and the fix gives eager's dispatch."""
-    device_map = {"0": "cpu", "1": "cpu", "2": "disk"}
-    eager = _built(False, _tied)
-    accelerate.dispatch_model(eager, device_map=device_map, offload_dir=str(tmp_path / "eager"))
-    after_eager = torch.rand(8)
-    model = _built(True, _tied)
-    before = _module_state(model)
-    with pytest.raises(FakeDataAccessError, match="then call dispatch_model"):
-        accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path / "deferred"))
-    assert _module_state(model) == before
-    materialize_module(model)  # the fix: materialize first, then dispatch
-    assert torch.equal(torch.rand(8), after_eager)
-    accelerate.dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path / "fixed"))
-    x = X[:, :4]
-    assert torch.equal(model(x), eager(x))
-
-
-# Without ties, nothing dispatch_model does before attaching its hooks needs a
-# fake's memory: the "disk" entry's weights are values (numpy(), answered by
-# computing them, as disk_offload shows), and with force_hooks there is no
-# "disk" entry at all.  add_hook_to_module sets _old_forward on a module
-# (accelerate/hooks.py) before the hook's init_hook asks that module's first
-# tensor for data_ptr() (set_module_tensor_to_device, utils/modeling.py).
+# dispatch_model with hooks asks parameters for their data_ptr() (its map of
+# tied weights: big_modeling.py before any hook when weights are tied,
+# set_module_tensor_to_device in each hook's init_hook otherwise, after
+# add_hook_to_module has set _old_forward).  Before, a deferred tensor refused
+# it from inside the call, with the modules half hooked; now the tensor asked
+# becomes real, as it is eagerly.
 _DISPATCHES = {
-    "a disk entry": dict(device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"}),
-    "force_hooks": dict(device_map={"": "cpu"}, force_hooks=True),
+    "a disk entry": (_net, dict(device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"})),
+    "force_hooks": (_net, dict(device_map={"": "cpu"}, force_hooks=True)),
+    "tied weights and a disk entry": (_tied, dict(device_map={"0": "cpu", "1": "cpu", "2": "disk"})),
 }
 
 
-@pytest.mark.parametrize("dispatch", list(_DISPATCHES))
-def test_accelerate_dispatch_model_names_itself_and_the_fix(tmp_path, dispatch):
-    model = _built(True)
-    with pytest.raises(FakeDataAccessError, match=r"inside accelerate\.big_modeling\.dispatch_model \(called at") as info:
-        accelerate.dispatch_model(model, offload_dir=str(tmp_path), **_DISPATCHES[dispatch])
-    assert "materialize it first (materialize_module(model)), then call dispatch_model" in str(info.value)
-    assert is_deferred(model)
+def _dispatched(model):
+    """What a dispatched module holds: each tensor's class, device and values
+    (meta: shape), which are tied, and the hook on each module."""
+    tensors = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        tensors[name] = (type(t), t.device, t.shape if t.is_meta else t.detach().clone())
+    ties = sorted(a for a, t in model.named_parameters(remove_duplicate=False)
+                  for b, u in model.named_parameters(remove_duplicate=False) if a < b and t is u)
+    hooks = {name: repr(getattr(m, "_hf_hook", None)) for name, m in model.named_modules()}
+    return tensors, ties, hooks
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "accelerate's add_hook_to_module sets _old_forward on a module before the hook's init_hook asks "
-    "that module's first tensor for data_ptr() (set_module_tensor_to_device's map of tied weights), "
-    "which a deferred tensor, having no memory, refuses: the refusal comes from inside the call, and "
-    "no protocol tells the project where a library call starts; remove_hook_from_module(model, "
-    "recurse=True) takes the hooks off (docs/libraries.md#accelerate)"))
 @pytest.mark.parametrize("dispatch", list(_DISPATCHES))
-def test_accelerate_dispatch_model_refused_leaves_the_model_as_it_was(tmp_path, dispatch):
-    model = _built(True)
-    before = _module_state(model)
-    with pytest.raises(FakeDataAccessError, match="then call dispatch_model"):
-        accelerate.dispatch_model(model, offload_dir=str(tmp_path), **_DISPATCHES[dispatch])
-    assert _module_state(model) == before
+def test_accelerate_dispatch_model_of_a_deferred_model_works_as_eagerly(tmp_path, dispatch):
+    build, kwargs = _DISPATCHES[dispatch]
+    eager = _built(False, build)
+    accelerate.dispatch_model(eager, offload_dir=str(tmp_path / "eager"), **kwargs)
+    after_eager = torch.rand(8)
+    model = _built(True, build)
+    accelerate.dispatch_model(model, offload_dir=str(tmp_path / "deferred"), **kwargs)
+    materialize_module(model)  # what the hooks did not ask for (nothing here), as for any deferred model
+    assert not is_deferred(model)
+    assert torch.equal(torch.rand(8), after_eager)
+    (tensors, ties, hooks), (eager_tensors, eager_ties, eager_hooks) = _dispatched(model), _dispatched(eager)
+    assert ties == eager_ties and hooks == eager_hooks and tensors.keys() == eager_tensors.keys()
+    for name, (cls, device, value) in tensors.items():
+        eager_cls, eager_device, eager_value = eager_tensors[name]
+        assert (cls, device) == (eager_cls, eager_device), name
+        assert (value == eager_value) if device.type == "meta" else torch.equal(value, eager_value), name
+    if (tmp_path / "eager").exists():  # the "disk" modules' weights: eager's bytes
+        files = sorted(p.name for p in (tmp_path / "eager").iterdir())
+        assert sorted(p.name for p in (tmp_path / "deferred").iterdir()) == files
+        for name in files:
+            assert (tmp_path / "deferred" / name).read_bytes() == (tmp_path / "eager" / name).read_bytes(), name
+    out = model.eval()(X)
+    assert not is_fake(out) and torch.equal(out, eager.eval()(X))
+
+
+def test_data_ptr_makes_a_deferred_tensor_real_as_eagerly():
+    """The mechanism under dispatch_model: asked for its address after
+    construction, a deferred tensor becomes real in place (eager's values,
+    ties kept); the others stay deferred, and the generator after materializing is eager's."""
+    eager = _built(False, _tied)
+    after_eager = torch.rand(8)
+    model = _built(True, _tied)
+    weight = model[0].weight
+    address = weight.data_ptr()
+    assert weight is model[0].weight and type(weight) is nn.Parameter and not is_fake(weight)
+    assert address == weight.data_ptr() == model[2].weight.data_ptr()  # tied: one tensor
+    assert is_deferred(model) and is_fake(model[0].bias)
+    assert torch.equal(weight, eager[0].weight)
+    materialize_module(model)
+    assert torch.equal(torch.rand(8), after_eager)
+    assert_same_tensors(eager, model)
+    assert model[0].weight.data_ptr() == address  # materializing the rest keeps its memory
 
 
 # -- shared memory, dynamic quantization --------------------------------------------------------
