@@ -383,7 +383,7 @@ class Recorder(FakeHandler):
         materialized in place (``materialize_tensor``: eager's values, the
         generators untouched) and its real address returned.  While recording,
         on a device this process lacks, or before an interpreter is installed,
-        ``refusal`` is raised."""
+        ``refusal()`` is raised."""
         if fake._record is None or current_record() is not None or self.materialize is None:
             return FakeHandler.address(self, fake, refusal)
         if not exists(fake.device):
