@@ -445,6 +445,11 @@ def test_data_access_on_deferred_fake_without_value():
 
     with pytest.raises(FakeDataAccessError, match=r"no memory, hence no address \(while constructing"):
         deferred_init(asks_address)
+    if not torch.cuda.is_available():  # recorded for a device this process lacks: no memory to give
+        w = deferred_init(nn.Linear, 2, 2, device="cuda").weight
+        with pytest.raises(FakeDataAccessError, match=r"no memory, hence no address") as info:
+            w.data_ptr()
+        assert "device='cuda:0'" in str(info.value) and is_deferred(w)
     with pytest.raises(FakeDataAccessError, match="pickling"):
         copy.copy(m.weight)
 
