@@ -4,11 +4,14 @@ Most of the time of a ``pread`` into a tensor just allocated goes to the
 kernel faulting in and zeroing its fresh pages, not to copying from the page
 cache; ``copy_`` (what ``load_state_dict`` does) spreads that over torch's
 intra-op threads, and so do these reads: a buffer of at least two
-:data:`PIECE_BYTES` is cut into one piece per thread (at most
-``torch.get_num_threads()``), each read by its own ``pread``, which releases
-the GIL.  The calling thread reads the first piece and waits for the others
-however it leaves (an error, an interrupt): no thread writes into a buffer
-after the call returns, and none is left behind.
+:data:`PIECE_BYTES` is cut into pieces that the calling thread and up to
+``torch.get_num_threads() - 1`` helper threads take one at a time, each read
+by its own ``pread``, which releases the GIL.  Taking pieces as they go,
+rather than a share each, matters on a busy machine: a helper that is not
+scheduled takes nothing, the caller reads on, and the call waits at most for
+the pieces helpers are reading.  Once the call returns (or raises, or is
+interrupted) no helper writes into the buffer: one still to start finds
+nothing left and ends without touching it.
 """
 
 from __future__ import annotations
@@ -17,14 +20,14 @@ import threading
 
 import torch
 
-# The least a thread is given: below this, starting a thread costs more than it saves.
-PIECE_BYTES = 2 << 20
+# A piece: big enough that taking it costs nothing next to reading it.
+PIECE_BYTES = 4 << 20
 
 
 def in_pieces(read, position: int, buffer: memoryview) -> None:
-    """``read(position, buffer)`` of a large buffer, by up to ``torch.get_num_threads()``
-    threads each reading a piece (whole 4 KiB pages, but the last); the first
-    error a piece meets is raised once every piece is done.
+    """``read(position, buffer)`` of a large buffer, in pieces of whole 4 KiB pages
+    read by this thread and up to ``torch.get_num_threads() - 1`` others; the
+    first error a piece meets is raised once no piece is being read.
 
     Example::
 
@@ -38,43 +41,60 @@ def in_pieces(read, position: int, buffer: memoryview) -> None:
         True
     """
     n = len(buffer)
-    count = min(torch.get_num_threads(), n // PIECE_BYTES)
-    if count < 2:
+    helpers = min(torch.get_num_threads(), n // PIECE_BYTES) - 1
+    if helpers < 1:
         read(position, buffer)
         return
-    step = -(-n // count) + 4095 & ~4095  # whole pages: a multiple of every element size
-    pieces = [(position + at, buffer[at : at + step]) for at in range(0, n, step)]
-    failed: list = [None] * len(pieces)
+    starts = list(range(0, n, PIECE_BYTES))  # PIECE_BYTES: whole pages, a multiple of every element size
+    lock = threading.Lock()
+    state = {"next": 0, "closed": False, "busy": 0, "error": None}
+    idle = threading.Condition(lock)
 
-    def work(i: int) -> None:
-        try:
-            read(*pieces[i])
-        except BaseException as e:  # handed to the caller, raised there
-            failed[i] = e
+    def take():
+        with lock:
+            if state["closed"] or state["error"] is not None or state["next"] == len(starts):
+                return None
+            at = starts[state["next"]]
+            state["next"] += 1
+            state["busy"] += 1
+            return at
 
-    threads = []
-    try:
-        for i in range(1, len(pieces)):
-            t = threading.Thread(target=work, args=(i,), name="deferinit-pread", daemon=True)
-            t.start()
-            threads.append(t)
-        read(*pieces[0])
-    finally:
-        _join(threads)
-    for e in failed:
-        if e is not None:
-            raise e
+    def done(error=None):
+        with lock:
+            state["busy"] -= 1
+            if error is not None and state["error"] is None:
+                state["error"] = error
+            idle.notify_all()
 
-
-def _join(threads) -> None:
-    """Wait for every thread, even through an interrupt (raised once they are done)."""
-    interrupt = None
-    for t in threads:
-        while True:
+    def work():
+        while (at := take()) is not None:
             try:
-                t.join()
-                break
-            except BaseException as e:  # a KeyboardInterrupt in the wait: the thread still writes
+                read(position + at, buffer[at : at + PIECE_BYTES])
+            except BaseException as e:  # handed to the caller, raised there
+                done(e)
+                return
+            done()
+
+    for _ in range(helpers):
+        threading.Thread(target=work, name="deferinit-pread", daemon=True).start()
+    try:
+        work()
+    finally:
+        _close(state, idle)
+    if state["error"] is not None:
+        raise state["error"]
+
+
+def _close(state: dict, idle: threading.Condition) -> None:
+    """No piece taken from now on; wait until none is being read, even through an
+    interrupt (raised once they are done)."""
+    interrupt = None
+    with idle:
+        state["closed"] = True
+        while state["busy"]:
+            try:
+                idle.wait()
+            except BaseException as e:  # a KeyboardInterrupt in the wait: a helper still writes
                 interrupt = interrupt or e
     if interrupt is not None:
         raise interrupt
