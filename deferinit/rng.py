@@ -253,26 +253,6 @@ class Stream:
         """User code set the generator right before draw ``k``."""
         self.events[k] = (event_seq(), kind, value)
 
-    def state_before(self, k: int):
-        """``(fact, stream)``: what is known of the state right before draw ``k``
-        without replaying: an exact state, ``(SEED, seed)``, or None; and the
-        stream it was found in (the chain may lead to an earlier record's)."""
-        stream = self
-        while True:
-            event = stream.events.get(k)
-            if event is not None:
-                if event[1] == SAME:
-                    return stream.post.get(event[2]), stream
-                if event[1] == SEED:
-                    return (SEED, event[2]), stream
-                return event[2], stream
-            if k == 0:
-                if stream.after is None:
-                    return None, stream
-                stream, k = stream.after, len(stream.after.nodes)
-                continue
-            return stream.post.get(k - 1), stream
-
     def __repr__(self) -> str:
         return f"<Stream {self.key} {len(self.nodes)} draws>"
 

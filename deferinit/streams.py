@@ -16,31 +16,31 @@ import bisect
 import torch
 
 from .errors import ReplayError
-from .rng import OBSERVED, SAME, SEED, SET, Stream, seeded_state
+from .rng import OBSERVED, SAME, SEED, SET, Stream, generator_of, seed_of_state, seeded_state
 
 
 class ReplayStream:
     """The draws one generator makes in a replay, in order.
 
-    ``events[k]`` and ``post[d]`` as in :class:`deferinit.rng.Stream` (``post``
-    is shared with the record, so what a replay learns serves the next);
-    ``prev`` is the replay stream of the record this one continues; ``left``
-    lists the states the real generator may still be in when nothing drew
-    from it since deferral (see :mod:`deferinit.materialize.generators`); ``planned``
-    the positions of the draws the replay's reads depend on, if only for
-    their geometry (the plan fills it).
+    ``events[k]``, ``post[d]`` and ``after`` as in :class:`deferinit.rng.Stream`
+    (``post`` is shared with the record, so what a replay learns serves the
+    next; ``after`` is the replay stream of the record this one continues);
+    ``left`` lists the states the real generator may still be in when nothing
+    drew from it since deferral (see :mod:`deferinit.materialize.generators`);
+    ``planned`` the positions of the draws the replay's reads depend on, if
+    only for their geometry (the plan fills it).
     """
 
-    __slots__ = ("key", "device", "nodes", "index", "events", "post", "prev", "left", "generator", "sources", "planned")
+    __slots__ = ("key", "device", "nodes", "index", "events", "post", "after", "left", "generator", "sources", "planned")
 
-    def __init__(self, key, device, nodes, events, post, *, prev=None, left=(), sources=()):
+    def __init__(self, key, device, nodes, events, post, *, after=None, left=(), sources=()):
         self.key = key
         self.device = device
         self.nodes = nodes
         self.index = {id(n): i for i, n in enumerate(nodes)}
         self.events = events
         self.post = post
-        self.prev = prev
+        self.after = after
         self.left = list(left)
         self.generator = None  # the private generator replay draws from
         # The record streams replayed (kept alive: their nodes point back to
@@ -48,77 +48,12 @@ class ReplayStream:
         self.sources = list(sources)
         self.planned: set[int] = set()
 
-    def needs(self, k: int):
-        """The draws to replay so that the state right before draw ``k`` is known."""
-        yield from self._walk(k, None)
-
     def needs_all(self, ks) -> list:
         """The draws to replay so that the states right before every draw in ``ks``
         are known, each once: walks from a position already walked stop there,
         so the cost is the number of draws walked, not ``len(ks)`` times it."""
         seen: set = set()
-        return [node for k in sorted(set(ks), reverse=True) for node in self._walk(k, seen)]
-
-    def _walk(self, k: int, seen: set | None):
-        """The draws before ``k`` back to the nearest known state, nearest first;
-        stops at a position in ``seen`` (and adds those it passes)."""
-        stream = self
-        while True:
-            if seen is not None:
-                at = (id(stream), k)
-                if at in seen:
-                    return
-                seen.add(at)
-            event = stream.events.get(k)
-            if event is not None:
-                if event[1] != SAME:
-                    return
-                d = event[2]
-                if d in stream.post:
-                    return
-                yield stream.nodes[d]
-                k = d
-                continue
-            if k == 0:
-                if stream.prev is None:
-                    return
-                stream, k = stream.prev, len(stream.prev.nodes)
-                continue
-            if (k - 1) in stream.post:
-                return
-            k -= 1
-            yield stream.nodes[k]
-
-    def state_before(self, k: int) -> torch.Tensor | None:
-        """The exact state right before draw ``k`` (None: not known, or the start of a
-        stream recorded where its generator could not be read)."""
-        stream = self
-        while True:
-            event = stream.events.get(k)
-            if event is not None:
-                kind, value = event[1], event[2]
-                if kind == SAME:
-                    return stream.post.get(value)
-                if kind == SEED:
-                    return seeded_state(self.device, value)
-                if kind == "foreign":
-                    raise ReplayError(
-                        f"the record sets the state of the {value} generator explicitly "
-                        f"(set_rng_state / set_state), and that state cannot be given to "
-                        f"{self.device}'s generator. Materialize on {value.type}, or seed with "
-                        "manual_seed instead of setting states."
-                    )
-                return value
-            if k == 0:
-                if stream.prev is None:
-                    return None
-                stream, k = stream.prev, len(stream.prev.nodes)
-                continue
-            return stream.post.get(k - 1)
-
-    def end_state(self) -> torch.Tensor | None:
-        """The state eager construction left the generator in, if known."""
-        return self.state_before(len(self.nodes))
+        return [node for k in sorted(set(ks), reverse=True) for node in walk_back(self, k, seen)]
 
     def learn(self, d: int, state: torch.Tensor) -> None:
         """Cache the exact state right after draw ``d``."""
@@ -126,6 +61,114 @@ class ReplayStream:
 
     def __repr__(self) -> str:
         return f"<ReplayStream {self.key} {len(self.nodes)} draws>"
+
+
+# -- the state at draw k: one walk, for record and replay streams alike -------------
+
+POST = "post"  # a fact that is no event: the exact state after a draw, learned by replay
+
+
+def walk_back(stream, k: int, seen: set | None = None):
+    """The draws between position ``k`` of ``stream`` (a record's
+    :class:`~deferinit.rng.Stream` or a :class:`ReplayStream`) and the nearest
+    fact known of its generator's state, nearest first; returns that fact,
+    ``(kind, value)`` (an event's, or ``(POST, state)``), or None at the start
+    of the chain, or at a position in ``seen`` (which collects those passed).
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 4, 3)    # two draws: weight, bias
+        >>> stream = m.weight._record.streams[torch.device("cpu")]
+        >>> len(list(walk_back(stream, 2)))           # both stand before the end
+        2
+    """
+    while True:
+        if seen is not None:
+            at = (id(stream), k)
+            if at in seen:
+                return None
+            seen.add(at)
+        event = stream.events.get(k)
+        if event is not None:
+            if event[1] != SAME:
+                return event[1], event[2]
+            d = event[2]
+            if d in stream.post:
+                return POST, stream.post[d]
+            yield stream.nodes[d]
+            k = d
+            continue
+        if k == 0:
+            if stream.after is None:
+                return None
+            stream, k = stream.after, len(stream.after.nodes)
+            continue
+        state = stream.post.get(k - 1)
+        if state is not None:
+            return POST, state
+        k -= 1
+        yield stream.nodes[k]
+
+
+def state_before(stream, k: int) -> torch.Tensor | None:
+    """The exact state of ``stream``'s generator right before its draw ``k``, as far as
+    it is known without replaying (None: a draw not replayed yet stands between,
+    or the stream starts where its generator could not be read).  Every
+    question "the state at draw k" ends here; while recording,
+    ``RECORDER.generator_state`` (:func:`deferinit.materialize.evaluate.generator_state`)
+    first replays the draws :func:`walk_back` names.
+
+    Example::
+
+        >>> _ = torch.manual_seed(5); m = deferred_init(torch.nn.Linear, 4, 3)
+        >>> stream = m.weight._record.streams[torch.device("cpu")]
+        >>> torch.equal(state_before(stream, 0), torch.manual_seed(5).get_state())
+        True
+        >>> state_before(stream, 1) is None                # the weight's draw not replayed
+        True
+    """
+    walk = walk_back(stream, k)
+    try:
+        next(walk)
+        return None
+    except StopIteration as stop:
+        fact = stop.value
+    if fact is None:
+        return None
+    kind, value = fact
+    if kind == SEED:
+        return seeded_state(stream.device, value)
+    if kind == "foreign":
+        raise ReplayError(
+            f"the record sets the state of the {value} generator explicitly "
+            f"(set_rng_state / set_state), and that state cannot be given to "
+            f"{stream.device}'s generator. Materialize on {value.type}, or seed with "
+            "manual_seed instead of setting states."
+        )
+    return value
+
+
+def seed_before(stream, k: int) -> int:
+    """The ``initial_seed()`` of ``stream``'s generator right before draw ``k``: draws
+    do not change it, so the nearest fact answers, however many draws stand between.
+
+    Example::
+
+        >>> _ = torch.manual_seed(7); m = deferred_init(torch.nn.Linear, 4, 3)
+        >>> seed_before(m.weight._record.streams[torch.device("cpu")], 2)
+        7
+    """
+    walk = walk_back(stream, k)
+    while True:
+        try:
+            next(walk)
+        except StopIteration as stop:
+            fact = stop.value
+            break
+    if fact is None:
+        return torch._C.Generator.initial_seed(generator_of(stream.key))
+    kind, value = fact
+    return value if kind == SEED else seed_of_state(stream.device, value)
 
 
 def replay_streams(streams: list[Stream], device_map) -> dict:
@@ -165,12 +208,12 @@ def _own(stream: Stream, result: dict) -> ReplayStream:
     rs = result.get(id(stream))
     if rs is not None:
         return rs
-    prev = _own(stream.after, result) if stream.after is not None else None
+    after = _own(stream.after, result) if stream.after is not None else None
     record = stream.record() if stream.record is not None else None
     exit_state = record.exit.get(stream.key) if record is not None else None
     rs = ReplayStream(
         stream.key, stream.device, stream.nodes, stream.events, stream.post,
-        prev=prev, left=[exit_state] if exit_state is not None else [], sources=[stream],
+        after=after, left=[exit_state] if exit_state is not None else [], sources=[stream],
     )
     result[id(stream)] = rs
     return rs
@@ -188,11 +231,11 @@ def _merged(record, target, group: list[Stream], made: dict) -> ReplayStream:
     seqs = [n.seq for n in nodes]
     position = {id(n): i for i, n in enumerate(nodes)}
     events: dict = {}
-    prev = None
+    after = None
     afters = [s.after for s in group if s.after is not None]
     if afters and len(afters) == len(group) and len({a.record_id for a in afters}) == 1:
         earlier = afters[0].record() if afters[0].record is not None else None
-        prev = _merged(earlier, target, afters, made)
+        after = _merged(earlier, target, afters, made)
     elif record is not None and target in record.entry:
         events[0] = ((-1, -1), OBSERVED, record.entry[target])
     for stream in group:
@@ -213,7 +256,7 @@ def _merged(record, target, group: list[Stream], made: dict) -> ReplayStream:
     post = owner.merged.setdefault(cache_key, {})
     exit_state = record.exit.get(target) if record is not None else None
     rs = ReplayStream(
-        target, device, nodes, events, post, prev=prev, left=[exit_state] if exit_state is not None else [],
+        target, device, nodes, events, post, after=after, left=[exit_state] if exit_state is not None else [],
         sources=group,
     )
     made[cache_key] = rs

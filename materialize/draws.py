@@ -29,6 +29,7 @@ from deferinit.jumps import Cursor, checked, draw_part
 from deferinit.realdraws import with_generator
 from deferinit.record import FOREIGN
 from deferinit.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
+from deferinit.streams import state_before
 
 from .errors import DeviceUnavailableError
 
@@ -58,8 +59,8 @@ class Draws:
             for event in rs.events.values():
                 if event[1] == SAME:
                     self._looked_up.add((id(rs), event[2]))
-            if rs.prev is not None and rs.prev.nodes:
-                self._looked_up.add((id(rs.prev), len(rs.prev.nodes) - 1))
+            if rs.after is not None and rs.after.nodes:
+                self._looked_up.add((id(rs.after), len(rs.after.nodes) - 1))
 
     def __enter__(self):
         return self
@@ -121,7 +122,7 @@ class Draws:
             if cursor.owed or cursor.drop_normal:
                 self._learn(rs)
         else:
-            state = rs.state_before(index)
+            state = state_before(rs, index)
             if state is not None:
                 set_state(gen, state)
         target, kwargs, takes = with_generator(node, kwargs, gen)
@@ -161,7 +162,7 @@ class Draws:
     def _start(self, rs, cursor, index) -> None:
         """The cursor stands right before draw ``index`` (from a known state, or
         after the draw before it)."""
-        state = rs.state_before(index)
+        state = state_before(rs, index)
         if state is not None:
             cursor.reset(state)
             self._cursors[id(rs)][1] = None
@@ -198,7 +199,7 @@ class Draws:
             if real is None:
                 raise DeviceUnavailableError(f"no random generator for {rs.key} in this process")
             gen = scratch_generator(rs.device)
-            if rs.state_before(0) is None:
+            if state_before(rs, 0) is None:
                 # Recorded where this generator's state could not be read
                 # (CUDA on a CPU-only build): start from its state now.
                 set_state(gen, get_state(real))

@@ -48,6 +48,7 @@ MODULES = [
     "deferinit.mt19937",
     "deferinit.consumption",
     "deferinit.jumps",
+    "deferinit.streams",
     "deferinit.text",
     "deferinit.planning",
     "deferinit.planning.step",
