@@ -4,7 +4,7 @@ The graph itself lives in nodes and values reachable from the fakes.  The
 record keeps what is *not* reachable that way: the random nodes of each
 generator stream, in order (a random temporary that nothing keeps still
 advanced the generator eagerly, so it must be replayed), what user code did
-to the generators (see :mod:`deferinit.rng` and :mod:`deferinit.seeding`),
+to the generators (see :mod:`deferinit.streams` and :mod:`deferinit.seeding`),
 and the generators' real states when recording started and stopped.  Fakes
 hold their record; the graph never does.
 
@@ -28,9 +28,10 @@ from deferinit.fake.locking import holding, locked
 
 from .graph import event_seq, peek_seq
 from .rng import (
-    CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_seed, fingerprint, generator_of,
+    CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, current_seed, fingerprint, generator_of,
     get_state, gettable, initialized_generators, new_tag, seeded_state, set_state,
 )
+from .streams import Stream
 
 _ids = itertools.count(1)
 

@@ -10,7 +10,7 @@ default generators is diverted in the recording thread (and only there):
 
 * seeding (``torch.manual_seed``, ``torch.seed``, ``torch.cuda.manual_seed``
   and friends) and setting states (``set_rng_state``) become events of the
-  record's streams, at the position they happen (:class:`deferinit.rng.Stream`);
+  record's streams, at the position they happen (:class:`deferinit.streams.Stream`);
   the real generators are not touched;
 * reading (``get_rng_state``, ``initial_seed``) answers with the state eager
   construction would have reached at this point, replaying the draws made so

@@ -1,28 +1,99 @@
-"""The generator streams of a replay.
+"""Generator streams: the draws from one generator in order, what is known of its state between them, and the state at draw k.
 
-A replay sees each record stream (:class:`deferinit.rng.Stream`) through a
-:class:`ReplayStream`: the draws in order, what is known of the states
-between them, and the stream of an earlier record it continues.  A device
-remap may *merge* several record streams (draws recorded for ``cpu`` and
-``cuda`` all come from the target device's generator, in recorded order);
-the merged stream starts from that generator's state when recording
-started, and user code's seeds and states apply at the time they happened.
+Recording draws nothing.  Each random node is appended to the *stream* of
+the generator it would have drawn from (:func:`deferinit.rng.stream_key`),
+and replay rebuilds the state before any draw from the nearest state it
+knows, re-running the draws in between (see :mod:`deferinit.plan`).
+
+What a stream knows, position by position (position ``k`` is "right before
+draw ``k``"; ``len(nodes)`` is the end):
+
+* **events**, facts recorded while user code ran: the generator's real
+  state when the stream started (``OBSERVED``), and what user code did to it
+  (``SET``: a state set by ``set_rng_state``/``set_state``, or read back from
+  the generator after a change; ``SEED``: ``manual_seed(s)``, resolved
+  against whichever generator replays it; ``SAME(d)``: the state right after
+  draw ``d`` of this stream put back, e.g. by ``fork_rng``);
+* **post** states: ``post[d]`` is the exact state right after draw ``d``,
+  cached by replay (an explicit generator put back to it is a ``SAME(d)``
+  event: "the state right after draw d");
+* **after**: the stream of an earlier record this one continues (two models
+  deferred back to back draw one stream, as eagerly).
+
+A record keeps a :class:`Stream` per generator; a replay sees each through a
+:class:`ReplayStream`.  A device remap may *merge* several record streams
+(draws recorded for ``cpu`` and ``cuda`` all come from the target device's
+generator, in recorded order); the merged stream starts from that
+generator's state when recording started, and user code's seeds and states
+apply at the time they happened.  One walk (:func:`walk_back`) answers, for
+both, the state at draw ``k`` (:func:`state_before`) and the draws to replay
+to know it.
 """
 
 from __future__ import annotations
 
 import bisect
+import weakref
 
 import torch
 
+from deferinit.fake.device import normalize
+
 from .errors import ReplayError
-from .rng import OBSERVED, SAME, SEED, SET, Stream, generator_of, seed_of_state, seeded_state
+from .graph import event_seq
+from .rng import OBSERVED, SAME, SEED, SET, generator_of, gettable, seed_of_state, seeded_state
+
+
+class Stream:
+    """The random nodes of one record that draw from one generator, in order,
+    and what is known of the generator's states between them (see the module
+    docstring)."""
+
+    __slots__ = (
+        "key", "nodes", "events", "post", "after", "record", "record_id", "ref", "generator",
+        "observed", "since", "base", "merged", "__weakref__",
+    )
+
+    def __init__(self, key, record=None):
+        self.key = key
+        # Weak: the record owns its streams.
+        self.record = weakref.ref(record) if record is not None else None
+        self.record_id = record.id if record is not None else None
+        self.ref = weakref.ref(self)  # shared by the stream's nodes
+        self.generator = generator_of(key) if gettable(key) else None
+        self.nodes: list = []
+        # position k -> (seq, kind, value): what user code did right before draw k.
+        self.events: dict[int, tuple] = {}
+        # draw d -> the exact state right after it (learned by replay).
+        self.post: dict[int, torch.Tensor] = {}
+        self.after: Stream | None = None
+        # The seed last seen while recording (tells seeds set by C++ calls
+        # between draws), and deferinit.record.FOREIGN's epoch then.
+        self.observed = None
+        self.since = 0
+        # For explicit generators, the real state to give back when recording
+        # stops (they are marked, see Record.add_random).
+        self.base = None
+        # Post states of replays merging this stream with others (a device
+        # remap), by (target, streams merged); kept by the group's first stream.
+        self.merged: dict = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.key if type(self.key) is torch.device else normalize(self.key.generator.device)
+
+    def event(self, k: int, kind: str, value) -> None:
+        """User code set the generator right before draw ``k``."""
+        self.events[k] = (event_seq(), kind, value)
+
+    def __repr__(self) -> str:
+        return f"<Stream {self.key} {len(self.nodes)} draws>"
 
 
 class ReplayStream:
     """The draws one generator makes in a replay, in order.
 
-    ``events[k]``, ``post[d]`` and ``after`` as in :class:`deferinit.rng.Stream`
+    ``events[k]``, ``post[d]`` and ``after`` as in :class:`Stream`
     (``post`` is shared with the record, so what a replay learns serves the
     next; ``after`` is the replay stream of the record this one continues);
     ``left`` lists the states the real generator may still be in when nothing
@@ -70,7 +141,7 @@ POST = "post"  # a fact that is no event: the exact state after a draw, learned 
 
 def walk_back(stream, k: int, seen: set | None = None):
     """The draws between position ``k`` of ``stream`` (a record's
-    :class:`~deferinit.rng.Stream` or a :class:`ReplayStream`) and the nearest
+    :class:`Stream` or a :class:`ReplayStream`) and the nearest
     fact known of its generator's state, nearest first; returns that fact,
     ``(kind, value)`` (an event's, or ``(POST, state)``), or None at the start
     of the chain, or at a position in ``seen`` (which collects those passed).
