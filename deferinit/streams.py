@@ -123,8 +123,11 @@ class ReplayStream:
         """The draws to replay so that the states right before every draw in ``ks``
         are known, each once: walks from a position already walked stop there,
         so the cost is the number of draws walked, not ``len(ks)`` times it."""
+        draws: list = []
         seen: set = set()
-        return [node for k in sorted(set(ks), reverse=True) for node in walk_back(self, k, seen)]
+        for k in sorted(set(ks), reverse=True):
+            walk_back(self, k, draws, seen)
+        return draws
 
     def learn(self, d: int, state: torch.Tensor) -> None:
         """Cache the exact state right after draw ``d``."""
@@ -139,18 +142,20 @@ class ReplayStream:
 POST = "post"  # a fact that is no event: the exact state after a draw, learned by replay
 
 
-def walk_back(stream, k: int, seen: set | None = None):
-    """The draws between position ``k`` of ``stream`` (a record's
-    :class:`Stream` or a :class:`ReplayStream`) and the nearest
-    fact known of its generator's state, nearest first; returns that fact,
-    ``(kind, value)`` (an event's, or ``(POST, state)``), or None at the start
-    of the chain, or at a position in ``seen`` (which collects those passed).
+def walk_back(stream, k: int, draws: list | None = None, seen: set | None = None):
+    """The nearest fact known of the state of ``stream``'s generator (a record's
+    :class:`Stream` or a :class:`ReplayStream`) at or before position ``k``:
+    ``(kind, value)`` of an event, ``(POST, state)``, or None at the start of
+    the chain.  A draw not replayed yet may stand between: with a list
+    ``draws``, the walk appends it (nearest first) and goes on; without, it
+    stops there and returns None.  It also stops, returning None, at a
+    position in ``seen``, which collects those passed.
 
     Example::
 
         >>> m = deferred_init(torch.nn.Linear, 4, 3)    # two draws: weight, bias
-        >>> stream = m.weight._record.streams[torch.device("cpu")]
-        >>> len(list(walk_back(stream, 2)))           # both stand before the end
+        >>> draws = []; _ = walk_back(m.weight._record.streams[torch.device("cpu")], 2, draws)
+        >>> len(draws)                                  # both stand before the end
         2
     """
     while True:
@@ -163,22 +168,21 @@ def walk_back(stream, k: int, seen: set | None = None):
         if event is not None:
             if event[1] != SAME:
                 return event[1], event[2]
-            d = event[2]
-            if d in stream.post:
-                return POST, stream.post[d]
-            yield stream.nodes[d]
-            k = d
-            continue
-        if k == 0:
+            k = event[2]
+            if k in stream.post:
+                return POST, stream.post[k]
+        elif k == 0:
             if stream.after is None:
                 return None
             stream, k = stream.after, len(stream.after.nodes)
             continue
-        state = stream.post.get(k - 1)
-        if state is not None:
-            return POST, state
-        k -= 1
-        yield stream.nodes[k]
+        else:
+            k -= 1
+            if k in stream.post:
+                return POST, stream.post[k]
+        if draws is None:
+            return None
+        draws.append(stream.nodes[k])
 
 
 def state_before(stream, k: int) -> torch.Tensor | None:
@@ -198,12 +202,7 @@ def state_before(stream, k: int) -> torch.Tensor | None:
         >>> state_before(stream, 1) is None                # the weight's draw not replayed
         True
     """
-    walk = walk_back(stream, k)
-    try:
-        next(walk)
-        return None
-    except StopIteration as stop:
-        fact = stop.value
+    fact = walk_back(stream, k)
     if fact is None:
         return None
     kind, value = fact
@@ -229,13 +228,7 @@ def seed_before(stream, k: int) -> int:
         >>> seed_before(m.weight._record.streams[torch.device("cpu")], 2)
         7
     """
-    walk = walk_back(stream, k)
-    while True:
-        try:
-            next(walk)
-        except StopIteration as stop:
-            fact = stop.value
-            break
+    fact = walk_back(stream, k, [])
     if fact is None:
         return torch._C.Generator.initial_seed(generator_of(stream.key))
     kind, value = fact

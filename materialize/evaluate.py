@@ -110,7 +110,8 @@ def generator_state(stream, k: int):
 
 def _replayed(stream, k):
     rs = replay_streams([stream], DeviceMap())[id(stream)]
-    draws = list(walk_back(rs, k))
+    draws: list = []
+    walk_back(rs, k, draws)
     if draws:
         Replay([], extra=draws, labels=["the generator state"]).run()
     return state_before(rs, k)
