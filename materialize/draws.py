@@ -12,10 +12,10 @@ afterwards whether a real generator is moved to where eager construction
 left it.
 
 On a CPU generator, a draw replayed only for the state it leaves is not
-drawn: the generator jumps over it (:mod:`deferinit.jumps`), and a draw of
+drawn: the generator jumps over it (:mod:`deferinit.random.jumps`), and a draw of
 which the replay needs only a part (a shard's rows) draws only that part,
 when the kernel's count and layout are known exactly
-(:mod:`deferinit.consumption`); other draws are generated, as on CUDA,
+(:mod:`deferinit.random.consumption`); other draws are generated, as on CUDA,
 whose Philox generator is not jumped.
 """
 
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.consumption import fallback
+from deferinit.random.consumption import fallback
 from deferinit.fake.bypass import no_python_dispatch
-from deferinit.jumps import Cursor, checked, draw_part
-from deferinit.realdraws import with_generator
-from deferinit.record import FOREIGN
-from deferinit.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
-from deferinit.streams import state_before
+from deferinit.random.jumps import Cursor, checked, draw_part
+from deferinit.random.realdraws import with_generator
+from deferinit.random.record import FOREIGN
+from deferinit.random.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
+from deferinit.random.streams import state_before
 
 from .errors import DeviceUnavailableError
 

@@ -20,7 +20,7 @@ from deferinit.fake.locking import locked
 from deferinit.fake.tensor import describe
 
 from deferinit.plan import DeviceMap
-from deferinit.streams import replay_streams, state_before, walk_back
+from deferinit.random.streams import replay_streams, state_before, walk_back
 
 from .replay import Replay, read_of
 
@@ -81,7 +81,7 @@ def _closure_bytes(replay: Replay) -> int:
 
 def generator_state(stream, k: int):
     """The exact state of ``stream``'s generator right before its draw ``k`` (see
-    :func:`deferinit.streams.state_before`), while recording: the draws since the
+    :func:`deferinit.random.streams.state_before`), while recording: the draws since the
     nearest known state are jumped over on CPU, replayed into scratch memory
     otherwise (on private generators: nothing anyone can see changes), and
     the state reached is remembered by the record.

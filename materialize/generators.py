@@ -29,10 +29,10 @@ import traceback
 from deferinit.errors import MaterializationError
 from deferinit.liveness import hidden_by_load
 from deferinit.plan import DeviceMap
-from deferinit.record import FOREIGN, LINEAGE
-from deferinit.rng import generator_of, get_state, initialized_generators, same_state
-from deferinit.seeding import release_if_moot
-from deferinit.streams import replay_streams, state_before
+from deferinit.random.record import FOREIGN, LINEAGE
+from deferinit.random.rng import generator_of, get_state, initialized_generators, same_state
+from deferinit.random.seeding import release_if_moot
+from deferinit.random.streams import replay_streams, state_before
 
 from .replay import Replay
 
@@ -178,7 +178,7 @@ def _records_of(streams):
 def _not_reseeded(rs) -> bool:
     """Whether the generator's eager state still follows from the states the
     records of ``rs`` left it in: no seed or state was set since (even one
-    equal to the state it holds; see :class:`deferinit.record.Lineage`)."""
+    equal to the state it holds; see :class:`deferinit.random.record.Lineage`)."""
     return all(LINEAGE.descends(rs.key, record.lineage.get(rs.key)) for record in _records_of([rs]))
 
 

@@ -703,7 +703,7 @@ def test_generator_state_that_cannot_be_read_raises_the_projects_error():
     # device, not a NameError from the message's own formatting.
     from deferinit.errors import DataDependentError
     from deferinit.materialize.evaluate import generator_state
-    from deferinit.streams import Stream
+    from deferinit.random.streams import Stream
 
     stream = Stream(torch.device("cuda", 63))
     with pytest.raises(DataDependentError, match="cuda:63 generator is needed while recording"):

@@ -1,7 +1,7 @@
 """Generator streams: the draws from one generator in order, what is known of its state between them, and the state at draw k.
 
 Recording draws nothing.  Each random node is appended to the *stream* of
-the generator it would have drawn from (:func:`deferinit.rng.stream_key`),
+the generator it would have drawn from (:func:`deferinit.random.rng.stream_key`),
 and replay rebuilds the state before any draw from the nearest state it
 knows, re-running the draws in between (see :mod:`deferinit.plan`).
 
@@ -39,8 +39,8 @@ import torch
 
 from deferinit.fake.device import normalize
 
-from .errors import ReplayError
-from .graph import event_seq
+from ..errors import ReplayError
+from ..graph import event_seq
 from .rng import OBSERVED, SAME, SEED, SET, generator_of, gettable, seed_of_state, seeded_state
 
 
@@ -68,7 +68,7 @@ class Stream:
         self.post: dict[int, torch.Tensor] = {}
         self.after: Stream | None = None
         # The seed last seen while recording (tells seeds set by C++ calls
-        # between draws), and deferinit.record.FOREIGN's epoch then.
+        # between draws), and deferinit.random.record.FOREIGN's epoch then.
         self.observed = None
         self.since = 0
         # For explicit generators, the real state to give back when recording

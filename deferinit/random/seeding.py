@@ -10,7 +10,7 @@ default generators is diverted in the recording thread (and only there):
 
 * seeding (``torch.manual_seed``, ``torch.seed``, ``torch.cuda.manual_seed``
   and friends) and setting states (``set_rng_state``) become events of the
-  record's streams, at the position they happen (:class:`deferinit.streams.Stream`);
+  record's streams, at the position they happen (:class:`deferinit.random.streams.Stream`);
   the real generators are not touched;
 * reading (``get_rng_state``, ``initial_seed``) answers with the state eager
   construction would have reached at this point, replaying the draws made so
@@ -26,8 +26,8 @@ from the state the generator had when recording started, and moves only by
 what this thread does.  Other threads draw from the real generator (their
 draws do not reach this record), and the diverted functions do exactly what
 they did there; setting a generator there also tells
-:data:`deferinit.record.CHAINS` that the next record must not continue the
-last one's stream, and :data:`deferinit.record.FOREIGN` which seed it
+:data:`deferinit.random.record.CHAINS` that the next record must not continue the
+last one's stream, and :data:`deferinit.random.record.FOREIGN` which seed it
 set, so that no recording thread takes it for its own.
 
 Example::
@@ -55,7 +55,7 @@ from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.tensor import FakeTensor
 
 from .record import CHAINS, FOREIGN, LINEAGE, Record, current_record
-from .recorder import RECORDER
+from ..recorder import RECORDER
 from .rng import CPU, CPU_GENERATOR, SET, register_stand_in, scratch_generator
 from .streams import seed_before
 

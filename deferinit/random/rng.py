@@ -1,9 +1,9 @@
 """Random number generators: which one an op draws from, and reading, setting and seeding their states.
 
 Recording draws nothing: each random node joins the *stream* of the generator
-it would have drawn from (:mod:`deferinit.streams`): the default generator of
+it would have drawn from (:mod:`deferinit.random.streams`): the default generator of
 its device, or an explicit ``torch.Generator``.  How user code is observed
-without ever writing to a shared generator is in :mod:`deferinit.seeding`.
+without ever writing to a shared generator is in :mod:`deferinit.random.seeding`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ OBSERVED, SET, SEED, SAME = "observed", "set", "seed", "same"
 CPU = torch.device("cpu")
 # The real default CPU generator, taken before anything is diverted: while a
 # thread records, torch.default_generator and torch._C.default_generator are
-# that thread's stand-in (deferinit.seeding).
+# that thread's stand-in (deferinit.random.seeding).
 CPU_GENERATOR = torch._C.default_generator
 
 
@@ -45,7 +45,7 @@ def default_generator(device: torch.device) -> torch.Generator | None:
 
 
 # Generators standing for a device's default generator while a thread records
-# (deferinit.seeding's view of torch.default_generator): C++ identity -> device.
+# (deferinit.random.seeding's view of torch.default_generator): C++ identity -> device.
 _STAND_INS: dict[int, torch.device] = {}
 
 
