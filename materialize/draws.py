@@ -69,16 +69,12 @@ class Draws:
         try:
             if exc_type is None:
                 with no_python_dispatch():
-                    for rs_id in list(self._cursors):
-                        self._learn(self._rs_of[rs_id])
+                    for rs in {id(rs): rs for rs in self.streams.values()}.values():
+                        self._learn(rs)  # those with a cursor
         finally:
             for gen, state in self._borrowed.values():
                 FOREIGN.set_state(gen, state)
             self._borrowed.clear()
-
-    @property
-    def _rs_of(self) -> dict:
-        return {id(rs): rs for rs in self.streams.values()}
 
     def skip(self, node) -> bool:
         """Move the generator of random ``node`` past it without drawing (a draw
