@@ -2,7 +2,7 @@
 
 Each row times, in fresh processes, eager construction of a piece alone
 against materializing that piece of a deferred model, whose earlier draws
-the generator must move past (it jumps over them: deferinit/jumps.py):
+the generator must move past (it jumps over them: deferinit/random/jumps.py):
 
 1. one decoder layer (0, and the last) of a deferred Llama-3-8B
    (``transformers.LlamaForCausalLM`` from its config, no weights) against
@@ -115,7 +115,7 @@ def child(case: str, mode: str, quick: bool) -> dict:
     import torch
 
     from deferinit import deferred_init
-    from deferinit.consumption import FALLBACKS
+    from deferinit.random.consumption import FALLBACKS
     from deferinit.materialize import materialize_module
 
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 Two kinds of patches: ``torch.Tensor.data`` and ``set_`` (fake/assign.py),
 installed while any fake is alive (fake/alive.py), and the random
 functions and methods diverted while a deferral may still warn that its
-draws are pending (deferinit/pending.py).  (``_make_subclass`` is diverted
+draws are pending (deferinit/random/pending.py).  (``_make_subclass`` is diverted
 only inside a fake mode: not measured here.)
 Each column is its own fresh process: PyTorch alone; the packages imported
 and no fake made; while a fake is alive (``fake_mode``); after the last fake

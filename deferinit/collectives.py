@@ -50,7 +50,7 @@ from .effects import root_value
 from .errors import RecordingError
 from .graph import Input
 from .regions import Region
-from .rng import SAME, SEED
+from .random.rng import SAME, SEED
 
 # Operator namespaces of collectives (ProcessGroup ops and functional collectives).
 NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor"})

@@ -207,7 +207,7 @@ def drawn_part(value, region, found):
     """``(lo, hi)``: the elements of a random fill of contiguous ``value`` that the
     demands ``found`` meet (the hull of their bytes), or None when that is all
     of it (a shard's rows of a parameter drawn whole eagerly: the replay
-    draws only those where the kernel allows, see :mod:`deferinit.jumps`)."""
+    draws only those where the kernel allows, see :mod:`deferinit.random.jumps`)."""
     if not found or not region.dense or any(r.covers(region) for r, _ in found):
         return None
     if not contiguous(value.size, value.stride):

@@ -30,7 +30,7 @@ from deferinit.fake.state import current_intended_device
 from deferinit.fake.tensor import FakeTensor, make_fake
 
 from .graph import Input, Node, Storage, Value
-from .rng import key_of_generator
+from .random.rng import key_of_generator
 
 aten = torch.ops.aten
 _META = torch.device("meta")

@@ -36,8 +36,7 @@ from deferinit.fake.device import normalize
 from .errors import ReplayError
 from .graph import FreshRead, Input, Node, version_seq
 from .liveness import RUN, Liveness
-from .rng import Stream
-from .streams import ReplayStream, replay_streams
+from .random.streams import ReplayStream, Stream, replay_streams
 
 
 class DeviceMap:

@@ -27,13 +27,13 @@ from .errors import DataDependentError, InferenceTensorInputError, MixedFakeErro
 from .exclusive import exclusive
 from .fastpath import FAST
 from .outside import computes_plain, plain_data
-from .realdraws import draw_real
+from .random.realdraws import draw_real
 from .plain import copied, dispatches_itself, holds_values
 from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
 from .grad import data_node, grad_fn_of, note_autograd, note_set_with_grad, note_writes, requires_grad_changed
 from .graph import Input, Node, Storage, Value
-from .record import current_record
-from .rng import stream_key
+from .random.record import current_record
+from .random.rng import stream_key
 from .where import constructing, library_call
 
 aten = torch.ops.aten

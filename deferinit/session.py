@@ -10,10 +10,11 @@ import torch
 from deferinit.fake.guard import Entry, undoing
 from deferinit.fake.mode import fake_modes
 
-from . import patches, pending, seeding
+from . import patches
+from .random import pending, seeding
 from .errors import UnsupportedModeError
 from .holdings import module_tensors
-from .record import Record, current_record, open_records
+from .random.record import Record, current_record, open_records
 from .recorder import RECORDER, is_deferred_fake
 from .wrappers import deferred_inside
 
@@ -151,7 +152,7 @@ class _Recording:
 def _leave(entry, record, outer, failed: bool) -> None:
     """End a recording block (idempotent): the thread's record stack and patches
     as at its entry, and the outermost block's record closed and watched; or,
-    ``failed``, abandoned (:meth:`~deferinit.record.Record.abandon`)."""
+    ``failed``, abandoned (:meth:`~deferinit.random.record.Record.abandon`)."""
     entry.leave()
     if outer is None and record is not None:  # None: interrupted before it was made
         if failed:

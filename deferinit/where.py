@@ -19,7 +19,7 @@ import torch
 
 from deferinit.fake.calls import library_call  # noqa: F401 (re-exported)
 
-from .record import current_record
+from .random.record import current_record
 from .wrappers import inner_tensors
 
 

@@ -133,7 +133,7 @@ class FakeFunctionMode(TorchFunctionMode):
         if type(func) is FunctionType and _skip_one_hop is not None:
             original = getattr(func, "__deferinit_stands_for__", None)
             if original is not None:
-                # A diversion standing for a builtin (deferinit.pending): the
+                # A diversion standing for a builtin (deferinit.random.pending): the
                 # builtin is what is meant, fast paths included.
                 return self.__torch_function__(original, types, args, kwargs)
             # A Python function with a torch-function prologue (nn.init.*,

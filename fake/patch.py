@@ -5,7 +5,7 @@ and installed through a :class:`SharedPatch`: ``.data`` and ``set_`` while a
 fake is alive (:mod:`deferinit.fake.alive`), ``_make_subclass`` while a thread
 is in a fake mode (:mod:`deferinit.fake.subclass`), ``nn.init``'s
 ``trunc_normal_`` worker and the generator API while a thread records
-(``deferinit.patches``, ``deferinit.seeding``), and so on.
+(``deferinit.patches``, ``deferinit.random.seeding``), and so on.
 """
 
 from __future__ import annotations

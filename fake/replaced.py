@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 #: ``names`` of an entry whose names are every ATen op with a ``generator``
-#: argument (computed by ``deferinit.pending.random_ops``).
+#: argument (computed by ``deferinit.random.pending.random_ops``).
 RANDOM_OPS = "every function or method of an ATen op that takes a generator"
 
 
@@ -84,7 +84,7 @@ TABLE = {
             "manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state",
             "manual_seed_all", "seed_all", "get_rng_state_all", "set_rng_state_all",
         ),
-        by="deferinit.seeding",
+        by="deferinit.random.seeding",
         why="torch's Python generator API is plain Python calling C methods of torch.Generator: no "
         "protocol sees it.  While recording, the recording thread's seeds and reads become the "
         "record's events (nothing another thread sees changes); after a deferral, a reseed "
@@ -96,7 +96,7 @@ TABLE = {
     "module classes": Replacement(
         owner=("torch", "torch._C", "torch.random"),
         names=("__class__",),
-        by="deferinit.seeding",
+        by="deferinit.random.seeding",
         why="``torch.default_generator`` is a plain module attribute; a module class with a "
         "``default_generator`` property is the one way to answer the recording thread with its own "
         "view of the generator while every other thread keeps the real object.",
@@ -105,7 +105,7 @@ TABLE = {
     "pending draws": Replacement(
         owner=("torch", "torch.Tensor"),
         names=RANDOM_OPS,
-        by="deferinit.pending",
+        by="deferinit.random.pending",
         why="a real draw from a default generator whose deferred draws are pending differs from "
         "eager; only the Python entry points of random ops see it when it happens (a mode would "
         "put every torch call of the process through Python), so that PendingDrawsWarning names it.",

@@ -12,10 +12,10 @@ afterwards whether a real generator is moved to where eager construction
 left it.
 
 On a CPU generator, a draw replayed only for the state it leaves is not
-drawn: the generator jumps over it (:mod:`deferinit.jumps`), and a draw of
+drawn: the generator jumps over it (:mod:`deferinit.random.jumps`), and a draw of
 which the replay needs only a part (a shard's rows) draws only that part,
 when the kernel's count and layout are known exactly
-(:mod:`deferinit.consumption`); other draws are generated, as on CUDA,
+(:mod:`deferinit.random.consumption`); other draws are generated, as on CUDA,
 whose Philox generator is not jumped.
 """
 
@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.consumption import fallback
+from deferinit.random.consumption import fallback
 from deferinit.fake.bypass import no_python_dispatch
-from deferinit.jumps import Cursor, checked, draw_part
-from deferinit.realdraws import with_generator
-from deferinit.record import FOREIGN
-from deferinit.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
+from deferinit.random.jumps import Cursor, checked, draw_part
+from deferinit.random.realdraws import with_generator
+from deferinit.random.record import FOREIGN
+from deferinit.random.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
+from deferinit.random.streams import state_before
 
 from .errors import DeviceUnavailableError
 
@@ -58,8 +59,8 @@ class Draws:
             for event in rs.events.values():
                 if event[1] == SAME:
                     self._looked_up.add((id(rs), event[2]))
-            if rs.prev is not None and rs.prev.nodes:
-                self._looked_up.add((id(rs.prev), len(rs.prev.nodes) - 1))
+            if rs.after is not None and rs.after.nodes:
+                self._looked_up.add((id(rs.after), len(rs.after.nodes) - 1))
 
     def __enter__(self):
         return self
@@ -68,16 +69,12 @@ class Draws:
         try:
             if exc_type is None:
                 with no_python_dispatch():
-                    for rs_id in list(self._cursors):
-                        self._learn(self._rs_of[rs_id])
+                    for rs in {id(rs): rs for rs in self.streams.values()}.values():
+                        self._learn(rs)  # those with a cursor
         finally:
             for gen, state in self._borrowed.values():
                 FOREIGN.set_state(gen, state)
             self._borrowed.clear()
-
-    @property
-    def _rs_of(self) -> dict:
-        return {id(rs): rs for rs in self.streams.values()}
 
     def skip(self, node) -> bool:
         """Move the generator of random ``node`` past it without drawing (a draw
@@ -121,7 +118,7 @@ class Draws:
             if cursor.owed or cursor.drop_normal:
                 self._learn(rs)
         else:
-            state = rs.state_before(index)
+            state = state_before(rs, index)
             if state is not None:
                 set_state(gen, state)
         target, kwargs, takes = with_generator(node, kwargs, gen)
@@ -161,7 +158,7 @@ class Draws:
     def _start(self, rs, cursor, index) -> None:
         """The cursor stands right before draw ``index`` (from a known state, or
         after the draw before it)."""
-        state = rs.state_before(index)
+        state = state_before(rs, index)
         if state is not None:
             cursor.reset(state)
             self._cursors[id(rs)][1] = None
@@ -198,7 +195,7 @@ class Draws:
             if real is None:
                 raise DeviceUnavailableError(f"no random generator for {rs.key} in this process")
             gen = scratch_generator(rs.device)
-            if rs.state_before(0) is None:
+            if state_before(rs, 0) is None:
                 # Recorded where this generator's state could not be read
                 # (CUDA on a CPU-only build): start from its state now.
                 set_state(gen, get_state(real))

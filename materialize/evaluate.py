@@ -14,13 +14,13 @@ import os
 
 from deferinit.errors import DataDependentError
 from deferinit.exclusive import exclusive
-from deferinit.where import recording
+from deferinit.where import constructing, recording
 from deferinit.fake.device import exists
 from deferinit.fake.locking import locked
 from deferinit.fake.tensor import describe
 
 from deferinit.plan import DeviceMap
-from deferinit.streams import replay_streams
+from deferinit.random.streams import replay_streams, state_before, walk_back
 
 from .replay import Replay, read_of
 
@@ -80,10 +80,11 @@ def _closure_bytes(replay: Replay) -> int:
 
 
 def generator_state(stream, k: int):
-    """The exact state of ``stream``'s generator right before its draw ``k``: the
-    draws since the nearest known state are jumped over on CPU, replayed into
-    scratch memory otherwise (on private generators: nothing anyone can see
-    changes), and the state reached is remembered by the record.
+    """The exact state of ``stream``'s generator right before its draw ``k`` (see
+    :func:`deferinit.random.streams.state_before`), while recording: the draws since the
+    nearest known state are jumped over on CPU, replayed into scratch memory
+    otherwise (on private generators: nothing anyone can see changes), and
+    the state reached is remembered by the record.
 
     Example::
 
@@ -94,8 +95,10 @@ def generator_state(stream, k: int):
         >>> _ = torch.manual_seed(0); _ = torch.rand(3); torch.equal(state, torch.get_rng_state())
         True
     """
-    # The stream may continue a finished record's, whose states replays cache.
-    state = locked(exclusive(), _state_before, stream, k)
+    state = state_before(stream, k)
+    if state is None:
+        # The stream may continue a finished record's, whose states replays cache.
+        state = locked(exclusive(), _replayed, stream, k)
     if state is None:
         raise DataDependentError(
             f"the state of the {stream.device} generator is needed while recording "
@@ -105,9 +108,10 @@ def generator_state(stream, k: int):
     return state
 
 
-def _state_before(stream, k):
+def _replayed(stream, k):
     rs = replay_streams([stream], DeviceMap())[id(stream)]
-    draws = list(rs.needs(k))
+    draws: list = []
+    walk_back(rs, k, draws)
     if draws:
         Replay([], extra=draws, labels=["the generator state"]).run()
-    return rs.state_before(k)
+    return state_before(rs, k)

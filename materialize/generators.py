@@ -29,10 +29,10 @@ import traceback
 from deferinit.errors import MaterializationError
 from deferinit.liveness import hidden_by_load
 from deferinit.plan import DeviceMap
-from deferinit.record import FOREIGN, LINEAGE
-from deferinit.rng import generator_of, get_state, initialized_generators, same_state
-from deferinit.seeding import release_if_moot
-from deferinit.streams import replay_streams
+from deferinit.random.record import FOREIGN, LINEAGE
+from deferinit.random.rng import generator_of, get_state, initialized_generators, same_state
+from deferinit.random.seeding import release_if_moot
+from deferinit.random.streams import replay_streams, state_before
 
 from .replay import Replay
 
@@ -147,7 +147,7 @@ def hand_over_generators(streams, device=None, records=()) -> None:
     if unplanned:
         streams += list({id(rs): rs for rs in replay_streams(unplanned, DeviceMap(device)).values()}.values())
     for rs in _in_order(streams):
-        end = rs.end_state()
+        end = state_before(rs, len(rs.nodes))
         if end is None:
             end = _finish(rs, device)
         if end is None:
@@ -156,8 +156,8 @@ def hand_over_generators(streams, device=None, records=()) -> None:
         if gen is None:
             continue
         left = list(rs.left)
-        if rs.prev is not None:
-            start = rs.state_before(0)
+        if rs.after is not None:
+            start = state_before(rs, 0)
             if start is not None:
                 left.append(start)
         now = get_state(gen)
@@ -178,7 +178,7 @@ def _records_of(streams):
 def _not_reseeded(rs) -> bool:
     """Whether the generator's eager state still follows from the states the
     records of ``rs`` left it in: no seed or state was set since (even one
-    equal to the state it holds; see :class:`deferinit.record.Lineage`)."""
+    equal to the state it holds; see :class:`deferinit.random.record.Lineage`)."""
     return all(LINEAGE.descends(rs.key, record.lineage.get(rs.key)) for record in _records_of([rs]))
 
 
@@ -186,7 +186,7 @@ def _finish(rs, device):
     """The end state of ``rs`` after replaying its trailing temporaries, or None
     when a draw after the last known state is not a temporary."""
     k = len(rs.nodes)
-    while k > 0 and rs.state_before(k) is None:
+    while k > 0 and state_before(rs, k) is None:
         k -= 1
     tail = rs.nodes[k:]
     if not tail or not all(_dead(n) or _depended_on(rs, k + i, n) for i, n in enumerate(tail)):
@@ -195,7 +195,7 @@ def _finish(rs, device):
         Replay([], device=device, extra=tail, labels=["random temporaries"]).run()
     except MaterializationError:
         return None  # the tensors are real and right; the generator just waits
-    return rs.end_state()
+    return state_before(rs, len(rs.nodes))
 
 
 def _dead(node) -> bool:

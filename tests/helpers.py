@@ -12,9 +12,9 @@ from deferinit.materialize import materialize_module, materialize_tensor
 
 def check_jump_models() -> None:
     """Run the once-per-process checks of the kernels' word counts now
-    (deferinit.consumption.verified), so that a profiler counting random
+    (deferinit.random.consumption.verified), so that a profiler counting random
     kernels sees only the replay's own."""
-    from deferinit.jumps import FAMILIES, verified
+    from deferinit.random.jumps import FAMILIES, verified
 
     for family in FAMILIES:
         verified(family)

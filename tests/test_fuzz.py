@@ -1649,7 +1649,7 @@ def test_requires_grad_on_deferred_base_of_real_view():
 def test_random_op_after_construction_without_draws_while_recording():
     """A random op on a deferred tensor after deferred_init returned, for a module
     whose construction drew nothing: the stream starts where construction left
-    the generator. Found by the fuzzer; fixed in deferinit/record.py."""
+    the generator. Found by the fuzzer; fixed in deferinit/random/record.py."""
     program = _prog("t0 = torch.zeros(2)", 'self.register_buffer("a", t0)')
     program.post, program.post_random = ["t_a.uniform_(0.0, 1.0)", "t_a.t_()"], True
     program.post_code = compile("\n".join(program.post), "<post>", "exec")

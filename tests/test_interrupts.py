@@ -39,7 +39,7 @@ import torch_snapshot
 from deferinit import deferred, deferred_init, is_deferred
 from deferinit.fake.patch import all_patches
 from deferinit.materialize import load_checkpoint, materialize_module, materialize_tensor
-from deferinit.rng import seeded_state
+from deferinit.random.rng import seeded_state
 from helpers import assert_same_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -543,9 +543,10 @@ def _trial(scenario, run):
 
 def _project_locks() -> dict:
     """Every lock of the project, by name."""
-    from deferinit import exclusive, pending
+    from deferinit import exclusive
+    from deferinit.random import pending
     from deferinit.fake import alive, cudnn, patch
-    from deferinit.record import CHAINS, FOREIGN, LINEAGE
+    from deferinit.random.record import CHAINS, FOREIGN, LINEAGE
 
     locks = {"exclusive": exclusive._LOCK, "pending draws": pending._lock, "fakes alive": alive._lock,
              "patches made": patch._made_lock, "cudnn": cudnn._lock,

@@ -20,8 +20,8 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from deferinit.graph import Input, Node, Storage, Value
-from deferinit.record import Record
-from deferinit.rng import Stream
+from deferinit.random.record import Record
+from deferinit.random.streams import Stream
 from deferinit.fake import FakeTensor
 from deferinit.materialize import materialize_module, materialize_tensor
 

@@ -123,7 +123,7 @@ def unlisted(found: list[tuple], modes_active: bool = False) -> list[tuple]:
     ``modes_active``, PyTorch's dispatch-mode flags may differ too: looked at
     inside a recording or a fake_mode block)."""
     from deferinit.fake.replaced import RANDOM_OPS, TABLE
-    from deferinit.pending import random_ops
+    from deferinit.random.pending import random_ops
 
     functions, methods = random_ops()
     out = []

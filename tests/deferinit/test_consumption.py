@@ -1,5 +1,5 @@
-"""Word counts of the CPU random kernels (deferinit/consumption.py) and the jumps
-built on them (deferinit/jumps.py), against the real generator.
+"""Word counts of the CPU random kernels (deferinit/random/consumption.py) and the jumps
+built on them (deferinit/random/jumps.py), against the real generator.
 
 The property: for a random call recorded by ``deferred_init`` (any kernel,
 dtype, shape including 0, 1, 15, 16, 17 elements, contiguous or not, with a
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from deferinit import deferred_init
-from deferinit.consumption import FALLBACKS
-from deferinit.jumps import FAMILIES, Cursor, check_family, checked, draw_part, part_pieces, verified
+from deferinit.random.consumption import FALLBACKS
+from deferinit.random.jumps import FAMILIES, Cursor, check_family, checked, draw_part, part_pieces, verified
 from deferinit.materialize import materialize_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -160,7 +160,7 @@ def test_every_family_agrees_with_this_torch():
 
 def test_a_wrong_count_is_caught(monkeypatch):
     """The once-per-process check is a real one: a model off by one word fails it."""
-    from deferinit import consumption as module, jumps
+    from deferinit.random import consumption as module, jumps
 
     real = module._uniform
 
@@ -176,7 +176,7 @@ def test_a_wrong_count_is_caught(monkeypatch):
 @pytest.mark.parametrize("kernel", ["uniform_", "normal_"])
 @pytest.mark.parametrize("numel", [16, 17, 31, 32, 33, 100, 1003])
 def test_drawing_a_part_equals_the_whole_draws_part(dtype, kernel, numel):
-    from deferinit.consumption import _normal, _uniform
+    from deferinit.random.consumption import _normal, _uniform
 
     fill = (lambda v, g: v.uniform_(-1, 1, generator=g)) if kernel == "uniform_" else (lambda v, g: v.normal_(0, 1, generator=g))
     c = (_uniform if kernel == "uniform_" else _normal)((numel,), (1,), dtype)
@@ -207,7 +207,7 @@ def test_a_family_checked_first_in_a_fresh_process_does_not_deadlock(family):
     import subprocess
     import sys
 
-    code = f"from deferinit.jumps import verified; print(verified({family!r}))"
+    code = f"from deferinit.random.jumps import verified; print(verified({family!r}))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import deferinit
 from deferinit import deferred, deferred_init, is_deferred
-from deferinit.record import current_record
+from deferinit.random.record import current_record
 from helpers import assert_same_tensors
 from deferinit.materialize import materialize_module
 

@@ -1,4 +1,4 @@
-"""The MT19937 jump-ahead (deferinit/mt19937.py) against torch's own CPU generator.
+"""The MT19937 jump-ahead (deferinit/random/mt19937.py) against torch's own CPU generator.
 
 The characteristic polynomial is computed again by Berlekamp-Massey from
 the generator's real outputs; every jump is compared with the state that
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from deferinit import mt19937
-from deferinit.mt19937 import DEGREE, PHI, advance, jump_polynomial
+from deferinit.random import mt19937
+from deferinit.random.mt19937 import DEGREE, PHI, advance, jump_polynomial
 
 
 def berlekamp_massey(bits) -> tuple[int, int]:

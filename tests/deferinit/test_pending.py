@@ -20,7 +20,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from deferinit import PendingDrawsWarning, deferred, deferred_init, pending
+from deferinit import PendingDrawsWarning, deferred, deferred_init
+from deferinit.random import pending
 from deferinit.fake import fake_mode
 from deferinit.materialize import materialize_module
 
@@ -429,7 +430,8 @@ def test_the_diverted_random_functions_pickle_as_pytorchs_do():
 _COLLECTED_UNDER_THE_LOCK = """
 import gc
 from torch import nn
-from deferinit import deferred, pending
+from deferinit import deferred
+from deferinit.random import pending
 
 for lock in (pending._lock, pending.PATCHES[0]._lock):
     with deferred():
@@ -482,7 +484,7 @@ def test_the_first_deferral_holds_no_table_of_every_operator_schema():
     5 MiB that parsing every operator schema keeps."""
     code = (
         "import torch\n"
-        "import deferinit.pending as p\n"
+        "import deferinit.random.pending as p\n"
         "assert not p._names\n"  # no deferral yet: nothing looked up
         "def anon():\n"
         "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('RssAnon'))\n"

@@ -108,7 +108,7 @@ def test_overwritten_work_does_not_run_and_values_and_generator_equal_eager(body
     # The work whose result is overwritten does not run...
     assert "aten::mul_" in eager_ran and "aten::mul_" not in ran
     # ...nor do the draws whose results are dead: the generator jumps over
-    # them (deferinit/jumps.py) and still ends where eager leaves it; only
+    # them (deferinit/random/jumps.py) and still ends where eager leaves it; only
     # the draws whose values are read run.
     random = lambda names: [n for n in names if n in ("aten::uniform_", "aten::normal_", "aten::random_")]  # noqa: E731
     assert len(random(eager_ran)) > len(random(ran)) == live_draws

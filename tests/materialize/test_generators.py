@@ -695,3 +695,16 @@ def test_state_set_for_cuda_cannot_be_replayed_on_cpu():
     with pytest.raises(ReplayError, match=r"state of the cuda:0 generator explicitly.*cannot be given to cpu"):
         materialize_module(d, device="cpu")
     assert is_deferred(d.a) and is_deferred(d.b)
+
+
+def test_generator_state_that_cannot_be_read_raises_the_projects_error():
+    # A stream recorded for a device this process has no generator for, with no
+    # state known at its start: the answer is DataDependentError naming the
+    # device, not a NameError from the message's own formatting.
+    from deferinit.errors import DataDependentError
+    from deferinit.materialize.evaluate import generator_state
+    from deferinit.random.streams import Stream
+
+    stream = Stream(torch.device("cuda", 63))
+    with pytest.raises(DataDependentError, match="cuda:63 generator is needed while recording"):
+        generator_state(stream, 0)

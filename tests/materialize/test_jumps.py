@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from deferinit import deferred_init
-from deferinit.consumption import FALLBACKS
+from deferinit.random.consumption import FALLBACKS
 from deferinit.materialize import materialize_module, materialize_tensor
 from helpers import assert_same_tensors, check_jump_models, materialize_in_order
 
@@ -183,7 +183,7 @@ def test_corpora_fallbacks_are_the_documented_ones(name):
     assert generated <= documented_fallbacks(), generated
 
 
-# -- reseeds after deferral (deferinit.record.Lineage) ----------------------------
+# -- reseeds after deferral (deferinit.random.record.Lineage) ----------------------------
 
 
 class Layers(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from deferinit import deferred, deferred_init
 from deferinit.materialize import materialize_module, materialize_tensor
-from deferinit.rng import seeded_state
+from deferinit.random.rng import seeded_state
 from helpers import assert_same_tensors
 
 
@@ -183,7 +183,7 @@ def test_fake_cuda_deferral_materialized_on_cpu(between):
 def test_the_generator_api_is_given_back_once_nothing_is_pending():
     """The diversion that notices reseeds lasts while the record's draws may still
     be handed over or continued: until a reseed, or the record's death."""
-    from deferinit.seeding import FUNCTIONS
+    from deferinit.random.seeding import FUNCTIONS
 
     users = FUNCTIONS[0].users
     m = deferred_init(Net)

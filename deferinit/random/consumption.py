@@ -1,6 +1,6 @@
 """How many words of the CPU generator each random kernel draws, exactly, or that it is not known.
 
-A replay jumps over draws whose values nobody reads (:mod:`deferinit.mt19937`)
+A replay jumps over draws whose values nobody reads (:mod:`deferinit.random.mt19937`)
 instead of generating them; for that it needs the exact number of 32-bit
 words each draw takes from the generator, and what else of the generator
 it changes.  The counts of ATen's CPU kernels (torch 2.5 to 2.13):
@@ -23,7 +23,7 @@ it changes.  The counts of ATen's CPU kernels (torch 2.5 to 2.13):
   CPU, ``bernoulli_`` and ``exponential_`` seed MKL's own stream instead).
 
 Nothing here is taken on trust: each family of kernels is checked once
-per process against the real generator (:func:`deferinit.jumps.verified`: several sizes
+per process against the real generator (:func:`deferinit.random.jumps.verified`: several sizes
 and dtypes, contiguous or not, a cached normal sample or none, drawn whole
 or in parts) before a replay relies on it, and a family the checks
 contradict, like any other call (``trunc_normal_``'s rejection loop, whose
@@ -48,8 +48,8 @@ import torch
 from deferinit.fake.flat import unflatten
 from deferinit.fake.opinfo import bind
 
-from .effects import contiguous
-from .graph import Input
+from ..effects import contiguous
+from ..graph import Input
 
 aten = torch.ops.aten
 
@@ -208,7 +208,7 @@ def _count(node) -> Consumption | None:
 def consumption(node) -> Consumption | None:
     """What random ``node`` takes from a CPU generator, or None when that is not
     known exactly.  Replay relies on it only once its family passed
-    :func:`deferinit.jumps.verified` (see :func:`deferinit.jumps.checked`)."""
+    :func:`deferinit.random.jumps.verified` (see :func:`deferinit.random.jumps.checked`)."""
     return _count(node)
 
 

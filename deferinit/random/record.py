@@ -4,7 +4,7 @@ The graph itself lives in nodes and values reachable from the fakes.  The
 record keeps what is *not* reachable that way: the random nodes of each
 generator stream, in order (a random temporary that nothing keeps still
 advanced the generator eagerly, so it must be replayed), what user code did
-to the generators (see :mod:`deferinit.rng` and :mod:`deferinit.seeding`),
+to the generators (see :mod:`deferinit.random.streams` and :mod:`deferinit.random.seeding`),
 and the generators' real states when recording started and stopped.  Fakes
 hold their record; the graph never does.
 
@@ -26,11 +26,12 @@ import torch
 from deferinit.fake.guard import register
 from deferinit.fake.locking import holding, locked
 
-from .graph import event_seq, peek_seq
+from ..graph import event_seq, peek_seq
 from .rng import (
-    CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, Stream, current_seed, fingerprint, generator_of,
+    CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, current_seed, fingerprint, generator_of,
     get_state, gettable, initialized_generators, new_tag, seeded_state, set_state,
 )
+from .streams import Stream
 
 _ids = itertools.count(1)
 
@@ -168,7 +169,7 @@ class Record:
         """Bring the stream of ``key`` up to date with what this thread did to its
         generator since the last draw, before answering ``get_rng_state`` or
         ``initial_seed``, or computing the state the next draw starts from
-        (a random op on a real tensor, :mod:`deferinit.realdraws`)."""
+        (a random op on a real tensor, :mod:`deferinit.random.realdraws`)."""
         stream = self.streams.get(key)
         if stream is None or not self.open or stream.generator is None:
             return
@@ -302,7 +303,7 @@ class Chains:
     record's (:class:`Lineage`: no seed or state was set through torch's API
     since, unless it put back a state read since); only while the earlier
     record is alive.  ``bump`` counts every seed or state set, for
-    :mod:`deferinit.pending`.
+    :mod:`deferinit.random.pending`.
     """
 
     def __init__(self):
@@ -357,7 +358,7 @@ class Lineage:
     (:meth:`descends`): through later records' closes only.
 
     torch's Python API for the generators is diverted while a closed record
-    waits for its hand-over (:mod:`deferinit.seeding`), which tells this what
+    waits for its hand-over (:mod:`deferinit.random.seeding`), which tells this what
     user code does.
     """
 
@@ -468,7 +469,7 @@ class Foreign:
     A recording thread notices C++-level changes of a default generator by
     its seed (:meth:`Record._observe`); a seed another thread set is not this
     thread's doing, and its record must not follow it.  Those threads' calls
-    are diverted (:mod:`deferinit.seeding`) to :meth:`setting`, which makes
+    are diverted (:mod:`deferinit.random.seeding`) to :meth:`setting`, which makes
     the change and logs the seeds that result, under one lock: a recording
     thread that sees a new seed takes the lock, so the change is logged
     before it looks.

@@ -2,10 +2,10 @@
 
 A :class:`Cursor` holds a private CPU generator and the words it still
 owes: skipping a draw (:meth:`Cursor.skip`) adds the draw's words
-(:mod:`deferinit.consumption`) without drawing them, and the generator is
+(:mod:`deferinit.random.consumption`) without drawing them, and the generator is
 brought up to date (:meth:`Cursor.settle`) only when a real draw needs it:
 short debts are paid by drawing into a small scratch buffer, long ones by
-a jump (:func:`deferinit.mt19937.advance`), so a run of skipped draws costs
+a jump (:func:`deferinit.random.mt19937.advance`), so a run of skipped draws costs
 one jump whatever its length.  Per-element normal draws keep their second
 Box-Muller sample in the generator; when a skipped one leaves such a
 sample, its last pair is drawn for real (4 words), which puts the very
@@ -17,12 +17,12 @@ the generator jumps to the first word they need, draws them, and ends
 where the whole draw ends.
 
 :func:`check_family` is the once-per-process check
-:func:`deferinit.consumption.verified` runs: the counts and parts of a family
+:func:`deferinit.random.consumption.verified` runs: the counts and parts of a family
 of kernels against the real kernels, on sizes around every branch.
 
 Example::
 
-    >>> from deferinit.consumption import Consumption
+    >>> from deferinit.random.consumption import Consumption
     >>> g = torch.Generator().manual_seed(0)
     >>> cursor = Cursor(g)
     >>> cursor.skip(Consumption(10**9))          # a billion words, not drawn

@@ -10,7 +10,7 @@ default generators is diverted in the recording thread (and only there):
 
 * seeding (``torch.manual_seed``, ``torch.seed``, ``torch.cuda.manual_seed``
   and friends) and setting states (``set_rng_state``) become events of the
-  record's streams, at the position they happen (:class:`deferinit.rng.Stream`);
+  record's streams, at the position they happen (:class:`deferinit.random.streams.Stream`);
   the real generators are not touched;
 * reading (``get_rng_state``, ``initial_seed``) answers with the state eager
   construction would have reached at this point, replaying the draws made so
@@ -26,8 +26,8 @@ from the state the generator had when recording started, and moves only by
 what this thread does.  Other threads draw from the real generator (their
 draws do not reach this record), and the diverted functions do exactly what
 they did there; setting a generator there also tells
-:data:`deferinit.record.CHAINS` that the next record must not continue the
-last one's stream, and :data:`deferinit.record.FOREIGN` which seed it
+:data:`deferinit.random.record.CHAINS` that the next record must not continue the
+last one's stream, and :data:`deferinit.random.record.FOREIGN` which seed it
 set, so that no recording thread takes it for its own.
 
 Example::
@@ -55,11 +55,9 @@ from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.tensor import FakeTensor
 
 from .record import CHAINS, FOREIGN, LINEAGE, Record, current_record
-from .recorder import RECORDER
-from .rng import (
-    CPU, CPU_GENERATOR, SAME, SEED, SET, register_stand_in,
-    scratch_generator, seed_of_state, seeded_state,
-)
+from ..recorder import RECORDER
+from .rng import CPU, CPU_GENERATOR, SET, register_stand_in, scratch_generator
+from .streams import seed_before
 
 _C = torch._C.Generator
 
@@ -71,13 +69,7 @@ def state_now(record: Record, device: torch.device) -> torch.Tensor:
     """The state the default generator of ``device`` would have now, eagerly."""
     stream = record.stream(device)
     record.observe(device)
-    k = len(stream.nodes)
-    fact, _ = stream.state_before(k)
-    if isinstance(fact, tuple):
-        return seeded_state(device, fact[1])
-    if fact is None:
-        fact = RECORDER.generator_state(stream, k)
-    return _copy(fact)
+    return _copy(RECORDER.generator_state(stream, len(stream.nodes)))
 
 
 def _copy(state: torch.Tensor) -> torch.Tensor:
@@ -89,28 +81,10 @@ def _copy(state: torch.Tensor) -> torch.Tensor:
 
 
 def seed_now(record: Record, device: torch.device) -> int:
-    """The ``initial_seed()`` the default generator of ``device`` would report now
-    (draws do not change it: the nearest earlier fact answers)."""
+    """The ``initial_seed()`` the default generator of ``device`` would report now."""
     stream = record.stream(device)
     record.observe(device)
-    k = len(stream.nodes)
-    while True:
-        event = stream.events.get(k)
-        if event is not None:
-            if event[1] == SEED:
-                return event[2]
-            if event[1] == SAME:
-                k = event[2]
-                continue
-            return seed_of_state(device, event[2])
-        if k > 0 and (k - 1) in stream.post:
-            return seed_of_state(device, stream.post[k - 1])
-        if k == 0:
-            if stream.after is None:
-                return _C.initial_seed(stream.generator)
-            stream, k = stream.after, len(stream.after.nodes)
-            continue
-        k -= 1
+    return seed_before(stream, len(stream.nodes))
 
 
 def _check_seed(seed) -> int:

@@ -1,29 +1,9 @@
-"""Random number generators: which one an op draws from, and what a record knows
-of its states.
+"""Random number generators: which one an op draws from, and reading, setting and seeding their states.
 
-Recording draws nothing.  Each random node is appended to the *stream* of
-the generator it would have drawn from (the default generator of its
-device, or an explicit ``torch.Generator``), and replay rebuilds the state
-before any draw from the nearest state it knows, re-running the draws in
-between (see :mod:`deferinit.plan`).
-
-What a stream knows, position by position (position ``k`` is "right before
-draw ``k``"; ``len(nodes)`` is the end):
-
-* **events**, facts recorded while user code ran: the generator's real
-  state when the stream started (``OBSERVED``), and what user code did to it
-  (``SET``: a state set by ``set_rng_state``/``set_state``, or read back from
-  the generator after a change; ``SEED``: ``manual_seed(s)``, resolved
-  against whichever generator replays it; ``SAME(d)``: the state right after
-  draw ``d`` of this stream put back, e.g. by ``fork_rng``);
-* **post** states: ``post[d]`` is the exact state right after draw ``d``,
-  cached by replay (an explicit generator put back to it is a ``SAME(d)``
-  event: "the state right after draw d");
-* **after**: the stream of an earlier record this one continues (two models
-  deferred back to back draw one stream, as eagerly).
-
-How user code is observed without ever writing to a shared generator is in
-:mod:`deferinit.seeding`.
+Recording draws nothing: each random node joins the *stream* of the generator
+it would have drawn from (:mod:`deferinit.random.streams`): the default generator of
+its device, or an explicit ``torch.Generator``.  How user code is observed
+without ever writing to a shared generator is in :mod:`deferinit.random.seeding`.
 """
 
 from __future__ import annotations
@@ -36,8 +16,6 @@ import torch
 
 from deferinit.fake.device import exists, normalize
 
-from .graph import event_seq
-
 # Tags are 64-bit values unlikely to be anyone's seed.
 _tags = itertools.count(random.SystemRandom().getrandbits(40) << 23)
 
@@ -46,7 +24,7 @@ OBSERVED, SET, SEED, SAME = "observed", "set", "seed", "same"
 CPU = torch.device("cpu")
 # The real default CPU generator, taken before anything is diverted: while a
 # thread records, torch.default_generator and torch._C.default_generator are
-# that thread's stand-in (deferinit.seeding).
+# that thread's stand-in (deferinit.random.seeding).
 CPU_GENERATOR = torch._C.default_generator
 
 
@@ -67,7 +45,7 @@ def default_generator(device: torch.device) -> torch.Generator | None:
 
 
 # Generators standing for a device's default generator while a thread records
-# (deferinit.seeding's view of torch.default_generator): C++ identity -> device.
+# (deferinit.random.seeding's view of torch.default_generator): C++ identity -> device.
 _STAND_INS: dict[int, torch.device] = {}
 
 
@@ -209,72 +187,6 @@ def seed_of_state(device, state: torch.Tensor) -> int:
     gen = scratch_generator(device)
     set_state(gen, state)
     return torch._C.Generator.initial_seed(gen)
-
-
-class Stream:
-    """The random nodes of one record that draw from one generator, in order,
-    and what is known of the generator's states between them (see the module
-    docstring)."""
-
-    __slots__ = (
-        "key", "nodes", "events", "post", "after", "record", "record_id", "ref", "generator",
-        "observed", "since", "base", "merged", "__weakref__",
-    )
-
-    def __init__(self, key, record=None):
-        self.key = key
-        # Weak: the record owns its streams.
-        self.record = weakref.ref(record) if record is not None else None
-        self.record_id = record.id if record is not None else None
-        self.ref = weakref.ref(self)  # shared by the stream's nodes
-        self.generator = generator_of(key) if gettable(key) else None
-        self.nodes: list = []
-        # position k -> (seq, kind, value): what user code did right before draw k.
-        self.events: dict[int, tuple] = {}
-        # draw d -> the exact state right after it (learned by replay).
-        self.post: dict[int, torch.Tensor] = {}
-        self.after: Stream | None = None
-        # The seed last seen while recording (tells seeds set by C++ calls
-        # between draws), and deferinit.record.FOREIGN's epoch then.
-        self.observed = None
-        self.since = 0
-        # For explicit generators, the real state to give back when recording
-        # stops (they are marked, see Record.add_random).
-        self.base = None
-        # Post states of replays merging this stream with others (a device
-        # remap), by (target, streams merged); kept by the group's first stream.
-        self.merged: dict = {}
-
-    @property
-    def device(self) -> torch.device:
-        return self.key if type(self.key) is torch.device else normalize(self.key.generator.device)
-
-    def event(self, k: int, kind: str, value) -> None:
-        """User code set the generator right before draw ``k``."""
-        self.events[k] = (event_seq(), kind, value)
-
-    def state_before(self, k: int):
-        """``(fact, stream)``: what is known of the state right before draw ``k``
-        without replaying: an exact state, ``(SEED, seed)``, or None; and the
-        stream it was found in (the chain may lead to an earlier record's)."""
-        stream = self
-        while True:
-            event = stream.events.get(k)
-            if event is not None:
-                if event[1] == SAME:
-                    return stream.post.get(event[2]), stream
-                if event[1] == SEED:
-                    return (SEED, event[2]), stream
-                return event[2], stream
-            if k == 0:
-                if stream.after is None:
-                    return None, stream
-                stream, k = stream.after, len(stream.after.nodes)
-                continue
-            return stream.post.get(k - 1), stream
-
-    def __repr__(self) -> str:
-        return f"<Stream {self.key} {len(self.nodes)} draws>"
 
 
 def new_tag() -> int:

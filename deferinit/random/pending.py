@@ -41,10 +41,10 @@ from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.state import in_fake_mode
 from deferinit.fake.tensor import FakeTensor
 
-from .errors import PendingDrawsWarning
+from ..errors import PendingDrawsWarning
 from .record import CHAINS, current_record
 from .rng import default_generator, fingerprint, get_state
-from .where import constructing
+from ..where import constructing
 
 # Re-entrant: a record's finalizer (its hold's release) may run from the
 # cyclic collector while this thread holds the lock.
@@ -122,7 +122,7 @@ def _unwatch(record, hold, ready) -> bool:
 
 def _epoch():
     # Bumped by every torch.manual_seed & co. while such a record lives
-    # (deferinit.seeding keeps them diverted for it).
+    # (deferinit.random.seeding keeps them diverted for it).
     return getattr(CHAINS, "_epoch", None)
 
 

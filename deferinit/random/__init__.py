@@ -1,0 +1,1 @@
+"""Random streams, from capture to hand-over: which generator each draw takes, what is known of its state at each draw, how a recording thread sees the generators (the replay side: materialize/draws.py, generators.py)."""
