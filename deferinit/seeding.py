@@ -44,6 +44,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import sys
+import threading
+import time
 import types
 import weakref
 
@@ -477,3 +480,68 @@ def release_if_moot(record: Record) -> None:
 def _release_moot() -> None:
     for record in list(_holders.keys()):
         release_if_moot(record)
+
+
+# -- seeding calls already under way when a record opens ---------------------------------
+
+
+def wait_for_undiverted_calls(timeout: float = 2.0) -> bool:
+    """Wait until no other thread is inside one of torch's own seeding functions
+    (``torch.manual_seed``, ``set_rng_state``... as torch defines them, not
+    diverted), before a record reads its entry states.
+
+    The diversion reaches calls that look the function up once it is in
+    place.  A thread that looked ``torch.manual_seed`` up before (while no
+    record held the diversion, or while a reseed had let it go as moot)
+    and is inside it when a record opens would seed the generator after
+    the record read its entry seed, unlogged: the record would take that
+    seed for its own doing at its next draw (:meth:`Record._observe`).
+    Every call from here on is diverted (the recording holds the
+    diversion), so once those under way are over, any seed another thread
+    sets is logged.  No protocol tells which calls are under way: torch's
+    seeding functions are plain Python functions, and the only trace of a
+    call in progress is its frame, in ``sys._current_frames()``.  A call
+    that takes longer than ``timeout`` seconds is not waited for; returns
+    whether none was left under way.
+
+    Example::
+
+        >>> wait_for_undiverted_calls()    # no other thread is seeding
+        True
+    """
+    me = threading.get_ident()
+    codes = deadline = None
+    while True:
+        frames = sys._current_frames()
+        if len(frames) == 1:
+            return True
+        codes = codes if codes is not None else _setter_codes()
+        busy = any(_inside(frame, codes) for ident, frame in frames.items() if ident != me)
+        del frames  # other threads' frames: keep them no longer than the look
+        if not busy:
+            return True
+        deadline = deadline if deadline is not None else time.monotonic() + timeout
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-4)  # lets the other thread finish its call
+
+
+def _setter_codes() -> set:
+    """The code objects of the functions diverted here that set a generator, as
+    defined before the diversion (what a reference looked up earlier runs)."""
+    codes = set()
+    for module, table in ((torch.random, _RANDOM), (torch, _RANDOM), (_cuda_random(), _CUDA), (torch.cuda, _CUDA)):
+        for name, (_, sets, _) in table.items():
+            fn = getattr(module, name, None)
+            code = getattr(getattr(fn, "__deferinit_original__", fn), "__code__", None)
+            if sets and code is not None:
+                codes.add(code)
+    return codes
+
+
+def _inside(frame, codes) -> bool:
+    while frame is not None:
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
