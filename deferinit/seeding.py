@@ -54,6 +54,7 @@ import torch
 
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.device import normalize
+from deferinit.fake.locking import locked
 from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.tensor import FakeTensor
 
@@ -432,11 +433,11 @@ def hold_while_alive(record: Record) -> None:
     a seed or a state set in between is noticed (see :data:`LINEAGE`,
     :data:`CHAINS`): until that is moot (:func:`release_if_moot`) or the
     record dies."""
-    if record in _holders:
+    if id(record) in _holders:
         return
     holder = _Holder()
-    weakref.finalize(record, release_all, FUNCTIONS, holder)  # release_all: safe in a finalizer
-    _holders[record] = holder
+    weakref.finalize(record, _let_go, id(record), holder)
+    locked(_holders_lock, _holders.__setitem__, id(record), (weakref.ref(record), holder))
     for patch in FUNCTIONS:
         patch.acquire(holder)
 
@@ -445,7 +446,16 @@ class _Holder:
     __slots__ = ("__weakref__",)
 
 
-_holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# id(record) -> (a weak reference to it, its holder).  Other threads' reseeds look
+# through it (_release_moot) while a recording thread adds its record: under a
+# lock (re-entrant: a record's finalizer may run in a thread holding it).
+_holders: dict = {}
+_holders_lock = threading.RLock()
+
+
+def _let_go(key: int, holder) -> None:
+    locked(_holders_lock, _holders.pop, key, None)
+    release_all(FUNCTIONS, holder)  # safe in a finalizer
 
 
 def release_if_moot(record: Record) -> None:
@@ -461,25 +471,26 @@ def release_if_moot(record: Record) -> None:
 
         >>> m = deferred_init(torch.nn.Linear, 2, 2)
         >>> record = m.weight._record
-        >>> record in _holders
+        >>> id(record) in _holders
         True
         >>> _ = torch.manual_seed(0)    # what m drew is moot now
-        >>> record in _holders
+        >>> id(record) in _holders
         False
     """
-    holder = _holders.get(record)
-    if holder is None:
+    held = _holders.get(id(record))
+    if held is None or held[0]() is not record:
         return
     for key, name in record.lineage.items():
         if LINEAGE.revivable(key, name) or LINEAGE.descends(key, name):
             return  # may still be handed over or continued there
-    _holders.pop(record, None)
-    release_all(FUNCTIONS, holder)
+    _let_go(id(record), held[1])
 
 
 def _release_moot() -> None:
-    for record in list(_holders.keys()):
-        release_if_moot(record)
+    for ref, _ in locked(_holders_lock, list, _holders.values()):
+        record = ref()
+        if record is not None:
+            release_if_moot(record)
 
 
 # -- seeding calls already under way when a record opens ---------------------------------

@@ -265,6 +265,59 @@ def test_a_foreign_seed_pushed_out_of_the_log_is_still_told_apart(monkeypatch):
     assert_same_tensors(SeededPair(), d)
 
 
+def test_a_reseed_in_another_thread_while_a_deferral_closes_raises_nothing():
+    """Another thread's reseed looks through the closed records holding the
+    seeding diversion (to let go those it made moot) while this thread closes
+    a deferral, which adds its record to them: the reseed raises nothing.  It
+    raised ``RuntimeError: dictionary changed size during iteration`` when
+    the deferral closed in the middle of that look (staged here: the other
+    thread is paused there; seen once in some 6,000 deferrals beside a thread
+    calling ``set_rng_state`` in a loop)."""
+    import weakref as weakref_module
+
+    from deferinit import is_deferred, seeding
+
+    first = deferred_init(Two)  # a closed record holding the diversion
+    assert torch.manual_seed is not _undiverted(torch.manual_seed)
+    looking, go, errors, staged = threading.Event(), threading.Event(), [], []
+    # The look: iterating the records (a WeakKeyDictionary's keys before the
+    # fix, a snapshot of them taken under a lock since).
+    iterations = {weakref_module.WeakKeyDictionary.keys.__code__, seeding._release_moot.__code__}
+
+    def paused(frame, event, arg):  # pauses the look once it iterates
+        if event == "line" and ("wr" in frame.f_locals or "ref" in frame.f_locals) and not looking.is_set():
+            staged.append(frame.f_code.co_name)
+            looking.set()
+            assert go.wait(60)
+        return paused
+
+    def tracer(frame, event, arg):
+        return paused if event == "call" and frame.f_code in iterations else None
+
+    def reseed():
+        sys.settrace(tracer)
+        try:
+            torch.manual_seed(3)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            sys.settrace(None)
+            looking.set()
+
+    other = threading.Thread(target=reseed, daemon=True)
+    other.start()
+    assert looking.wait(60)
+    second = deferred_init(Two)  # closes while the other thread looks (if it is paused)
+    go.set()
+    other.join(60)
+    assert not other.is_alive()
+    assert staged, "the other thread's reseed was not paused in its look"
+    assert not errors, f"the other thread's torch.manual_seed raised {errors[0]!r}"
+    for m in (first, second):
+        materialize_module(m)
+    assert not is_deferred(first) and not is_deferred(second)
+
+
 def _in_another_thread(fn):
     thread = threading.Thread(target=fn, daemon=True)
     thread.start()
