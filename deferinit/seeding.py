@@ -520,39 +520,68 @@ def wait_for_undiverted_calls(timeout: float = 2.0) -> bool:
         >>> wait_for_undiverted_calls()    # no other thread is seeding
         True
     """
-    me = threading.get_ident()
-    codes = deadline = None
-    while True:
-        frames = sys._current_frames()
-        if len(frames) == 1:
-            return True
-        codes = codes if codes is not None else _setter_codes()
-        busy = any(_inside(frame, codes) for ident, frame in frames.items() if ident != me)
-        del frames  # other threads' frames: keep them no longer than the look
-        if not busy:
-            return True
+    codes, deadline = _setter_codes(), None
+    while _others_inside(codes):
         deadline = deadline if deadline is not None else time.monotonic() + timeout
         if time.monotonic() > deadline:
             return False
         time.sleep(1e-4)  # lets the other thread finish its call
+    return True
 
 
-def _setter_codes() -> set:
-    """The code objects of the functions diverted here that set a generator, as
-    defined before the diversion (what a reference looked up earlier runs)."""
-    codes = set()
-    for module, table in ((torch.random, _RANDOM), (torch, _RANDOM), (_cuda_random(), _CUDA), (torch.cuda, _CUDA)):
+def _setter_codes() -> dict:
+    """``{code: [functions]}``: the functions diverted here that set a generator as a
+    lookup finds them (in place now, or what the diversion stands in for) and
+    every function those wrap (``__wrapped__``: dynamo's import wraps
+    ``torch.manual_seed``), by code object."""
+    codes: dict = {}
+    seen: set = set()
+    for patch, table in zip(FUNCTIONS, (_RANDOM, _RANDOM, _CUDA, _CUDA)):
+        saved = patch.originals()
+        module = patch._module()
         for name, (_, sets, _) in table.items():
-            fn = getattr(module, name, None)
-            code = getattr(getattr(fn, "__deferinit_original__", fn), "__code__", None)
-            if sets and code is not None:
-                codes.add(code)
+            if not sets:
+                continue
+            for fn in (getattr(module, name, None), saved.get(name)):
+                while fn is not None and id(fn) not in seen:
+                    seen.add(id(fn))
+                    code = getattr(fn, "__code__", None)
+                    if code is not None:
+                        codes.setdefault(code, []).append(fn)
+                    fn = getattr(fn, "__deferinit_original__", None) or getattr(fn, "__wrapped__", None)
     return codes
 
 
-def _inside(frame, codes) -> bool:
-    while frame is not None:
-        if frame.f_code in codes:
-            return True
-        frame = frame.f_back
-    return False
+def _others_inside(codes) -> bool:
+    """Whether a thread other than this one runs one of the functions of ``codes``
+    (anywhere in its stack)."""
+    frames = sys._current_frames()
+    try:
+        frames.pop(threading.get_ident(), None)
+        for frame in frames.values():
+            while frame is not None:
+                functions = codes.get(frame.f_code)
+                if functions is not None and any(_runs(frame, fn) for fn in functions):
+                    return True
+                frame = frame.f_back
+        return False
+    finally:
+        # This thread's frame in the dict would make a cycle keeping alive every
+        # local of its callers (the record being opened): none left behind.
+        frames = frame = None
+
+
+def _runs(frame, fn) -> bool:
+    """Whether ``frame`` (of ``fn``'s code) is a call of ``fn``: a wrapper's code is
+    shared by every function it wraps (dynamo's ``inner``), its closure tells
+    them apart."""
+    if not fn.__closure__:
+        return True
+    local = frame.f_locals  # a frame's free variables are among its locals
+    try:
+        return all(
+            local.get(name, _runs) is cell.cell_contents
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__)
+        )
+    except ValueError:  # an empty cell
+        return False

@@ -10,6 +10,7 @@
   the generator's seed, so other threads' draws are not taken for them.
 """
 
+import importlib
 import sys
 import threading
 
@@ -185,14 +186,23 @@ def _undiverted(fn):
     return getattr(fn, "__deferinit_original__", fn)
 
 
-def test_a_seeding_call_under_way_when_a_deferral_opens_is_not_taken_for_its_own():
+@pytest.mark.parametrize("wrapped", [False, True], ids=["torch.random.manual_seed", "dynamo's torch.manual_seed"])
+def test_a_seeding_call_under_way_when_a_deferral_opens_is_not_taken_for_its_own(wrapped):
     """Another thread is inside ``torch.manual_seed`` (looked up while nothing
     held the diversion, so it is torch's own and logs nothing) when a
     deferral opens, and sets the seed only after that: the deferral waits for
     that call before it reads the generator's entry state, so the seed is
     not taken for its constructor's own (it was, before: the Linears
-    followed seed 1234, not the constructor's 5)."""
-    original = _undiverted(torch.manual_seed)
+    followed seed 1234, not the constructor's 5).  Wrapped: importing dynamo
+    wraps ``torch.manual_seed`` (``torch._disable_dynamo``), and the other
+    thread is paused in that wrapper, whose code every function dynamo wraps
+    shares."""
+    if wrapped:
+        importlib.import_module("torch._dynamo")  # wraps torch.manual_seed
+        original = _undiverted(torch.manual_seed)
+        assert getattr(original, "__wrapped__", None) is not None, "dynamo no longer wraps torch.manual_seed"
+    else:
+        original = _undiverted(torch.random.manual_seed)
     inside, go, done = threading.Event(), threading.Event(), threading.Event()
 
     def paused(frame, event, arg):  # pauses the call at its first line until go
