@@ -433,11 +433,11 @@ def hold_while_alive(record: Record) -> None:
     a seed or a state set in between is noticed (see :data:`LINEAGE`,
     :data:`CHAINS`): until that is moot (:func:`release_if_moot`) or the
     record dies."""
-    if id(record) in _holders:
+    if _held(record) is not None:
         return
     holder = _Holder()
-    weakref.finalize(record, _let_go, id(record), holder)
-    locked(_holders_lock, _holders.__setitem__, id(record), (weakref.ref(record), holder))
+    weakref.finalize(record, release_all, FUNCTIONS, holder)  # release_all: safe in a finalizer
+    locked(_holders_lock, _add, record, holder)
     for patch in FUNCTIONS:
         patch.acquire(holder)
 
@@ -447,15 +447,24 @@ class _Holder:
 
 
 # id(record) -> (a weak reference to it, its holder).  Other threads' reseeds look
-# through it (_release_moot) while a recording thread adds its record: under a
-# lock (re-entrant: a record's finalizer may run in a thread holding it).
+# through it (_release_moot) while a recording thread adds its record: changed and
+# copied under a lock.  A dead record's entry stays until the next addition (its
+# finalizer only lets go of the patches: see fake.patch.release_all).
 _holders: dict = {}
-_holders_lock = threading.RLock()
+_holders_lock = threading.Lock()
 
 
-def _let_go(key: int, holder) -> None:
-    locked(_holders_lock, _holders.pop, key, None)
-    release_all(FUNCTIONS, holder)  # safe in a finalizer
+def _add(record: Record, holder) -> None:
+    for key, (ref, _) in list(_holders.items()):
+        if ref() is None:
+            del _holders[key]
+    _holders[id(record)] = (weakref.ref(record), holder)
+
+
+def _held(record: Record):
+    """The holder ``record`` holds the diversion as, or None."""
+    held = _holders.get(id(record))
+    return held[1] if held is not None and held[0]() is record else None
 
 
 def release_if_moot(record: Record) -> None:
@@ -471,19 +480,20 @@ def release_if_moot(record: Record) -> None:
 
         >>> m = deferred_init(torch.nn.Linear, 2, 2)
         >>> record = m.weight._record
-        >>> id(record) in _holders
+        >>> _held(record) is not None
         True
         >>> _ = torch.manual_seed(0)    # what m drew is moot now
-        >>> id(record) in _holders
+        >>> _held(record) is not None
         False
     """
-    held = _holders.get(id(record))
-    if held is None or held[0]() is not record:
+    holder = _held(record)
+    if holder is None:
         return
     for key, name in record.lineage.items():
         if LINEAGE.revivable(key, name) or LINEAGE.descends(key, name):
             return  # may still be handed over or continued there
-    _let_go(id(record), held[1])
+    locked(_holders_lock, _holders.pop, id(record), None)
+    release_all(FUNCTIONS, holder)
 
 
 def _release_moot() -> None:
