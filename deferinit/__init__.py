@@ -96,7 +96,16 @@ def _explain_data_access(error, fake):
     return explain_data_access(error, fake)
 
 
+def _materialize(fake):
+    # data_ptr() of a deferred tensor after construction: it becomes real
+    # (the recorder's address); materializing lives in the layer above.
+    from deferinit.materialize import materialize_tensor
+
+    materialize_tensor(fake)
+
+
 RECORDER.evaluate = _evaluate
+RECORDER.materialize = _materialize
 RECORDER.generator_state = _generator_state
 handlers.register_data_access_explainer(_explain_data_access)
 

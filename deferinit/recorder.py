@@ -15,6 +15,7 @@ from deferinit.fake import handlers
 from deferinit.fake.locking import locked
 from deferinit.fake.flat import flatten, flatten_output, unflatten, unflatten_output
 from deferinit.fake.bypass import no_python_dispatch
+from deferinit.fake.device import exists
 from deferinit.fake.dispatch import DATA_OPS, FakeHandler, adopt, meta_twin, run, views_real, writes_real
 from deferinit.fake.opinfo import op_info
 from deferinit.fake.state import in_fake_mode
@@ -374,6 +375,24 @@ class Recorder(FakeHandler):
             return FakeHandler.is_shared(self, fake)
         storage = fake._storage
         return storage.shared or (storage.real is not None and storage.real.is_shared())
+
+    def address(self, fake, refusal) -> int:
+        """``data_ptr()`` of a deferred tensor after construction: eagerly it has
+        memory, and a library that asks for its address (accelerate's map of
+        tied weights) goes on to use the tensor as real.  The tensor is
+        materialized in place (``materialize_tensor``: eager's values, the
+        generators untouched) and its real address returned.  While recording,
+        on a device this process lacks, or before an interpreter is installed,
+        ``refusal()`` is raised."""
+        if fake._record is None or current_record() is not None or self.materialize is None:
+            return FakeHandler.address(self, fake, refusal)
+        if not exists(fake.device):
+            return FakeHandler.address(self, fake, refusal)
+        self.materialize(fake)
+        return torch._C.TensorBase.data_ptr(fake)
+
+    # Installed by the front door (deferinit/__init__.py): materialize_tensor.
+    materialize = None
 
     def data_access(self, operation, fake, compute):
         fakes = fake if isinstance(fake, list) else [fake]

@@ -318,6 +318,11 @@ class FakeHandler:
             raise FakeDataAccessError(operation, describe(fake))
         return compute(value)
 
+    def address(self, fake, refusal) -> int:
+        """``fake.data_ptr()``: a plain fake has no memory, hence no address;
+        ``refusal()`` is the error that says so."""
+        raise refusal()
+
     def requires_grad_changed(self, fake) -> None:
         """After ``requires_grad_`` on ``fake`` (the recorder notes it)."""
 

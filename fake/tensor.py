@@ -276,9 +276,16 @@ class FakeTensor(torch.Tensor):
         return self._data_access("numpy.asarray()", lambda t: _read_only(t.__array__(dtype), t))
 
     def data_ptr(self):
-        where = handlers.for_args((self,), None).where()
-        error = FakeDataAccessError("data_ptr()", describe(self), _no_memory(self, f"A fake tensor has no memory, hence no address{where}."))
-        raise handlers.explain_data_access(error, self)
+        # The handler decides: a deferred tensor may be given its real memory
+        # (it becomes real, in place), a plain fake has none.
+        handler = handlers.for_args((self,), None)
+
+        def refusal():
+            where = handler.where()
+            error = FakeDataAccessError("data_ptr()", describe(self), _no_memory(self, f"A fake tensor has no memory, hence no address{where}."))
+            return handlers.explain_data_access(error, self)
+
+        return handler.address(self, refusal)
 
     def untyped_storage(self):
         # The shadow's meta storage, shared by every alias (see fake/storage.py).

@@ -433,11 +433,23 @@ def test_data_access_on_plain_fake():
 
 
 def test_data_access_on_deferred_fake_without_value():
-    """A deferred fake computes item()/tolist() (see evaluate.py), but has no memory."""
+    """A deferred fake computes item()/tolist() (see evaluate.py), but has no
+    memory while it is being recorded; asked for its address after
+    construction it becomes real (materialize/test_holders.py)."""
     m = deferred_init(nn.Linear, 2, 2)
-    assert len(m.weight.tolist()) == 2
-    with pytest.raises(FakeDataAccessError, match="no memory"):
-        m.weight.data_ptr()
+    assert len(m.weight.tolist()) == 2 and is_deferred(m.weight)
+
+    def asks_address():
+        t = torch.ones(2)
+        t.data_ptr()
+
+    with pytest.raises(FakeDataAccessError, match=r"no memory, hence no address \(while constructing"):
+        deferred_init(asks_address)
+    if not torch.cuda.is_available():  # recorded for a device this process lacks: no memory to give
+        w = deferred_init(nn.Linear, 2, 2, device="cuda").weight
+        with pytest.raises(FakeDataAccessError, match=r"no memory, hence no address") as info:
+            w.data_ptr()
+        assert "device='cuda:0'" in str(info.value) and is_deferred(w)
     with pytest.raises(FakeDataAccessError, match="pickling"):
         copy.copy(m.weight)
 

@@ -15,6 +15,12 @@ storages, each storage's record named.  Between the two:
   a re-zipped archive) nor ``byteorder`` (byte-swapping a meta storage
   crashes the process): both are read as ``torch.load`` reads them, and
   the elements of a big-endian archive are swapped when they are read;
+* every record the loader reads (``data.pkl``, ``byteorder``,
+  ``.format_version``, ``.data/serialization_id``) is checked as storages'
+  records are (below) before PyTorch's reader gives it: that reader checks
+  no CRC and ignores a failed inflate, so a damaged deflated record, or a
+  directory entry pointing at another record's header, would give
+  uninitialised memory and a verdict that changes from run to run;
 * a storage loaded twice is the first one, as ``torch.load``'s cache of CPU
   storages makes it, whatever size the second persistent id says; a record
   read with two dtypes is refused (torch versions disagree on it, and
@@ -103,8 +109,9 @@ class _Loader:
     """What ``torch.serialization._load`` is given as the archive's reader and as
     its pickle module (see the module's doc)."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, check):
         self.reader = reader
+        self.check = check  # a record's name -> refused unless PyTorch's reader reads it deterministically
         self.order = None
         self.first: dict = {}  # storage key -> the typed storage loaded first
         self.storages: dict = {}  # meta storage -> (record name, dtype, nbytes)
@@ -144,10 +151,12 @@ class _Loader:
     def has_record(self, name: str) -> bool:
         if name == ".format_version":
             if self.reader.has_record(name):
+                self.check(name)
                 self.reader.get_record(name)
             return False
         if name == "byteorder":
             if self.reader.has_record(name):
+                self.check(name)
                 self.order = self.reader.get_record(name)
                 if self.order not in (b"little", b"big"):
                     raise ArchiveError(f"its byteorder record says {self.order[:20]!r}, neither 'little' nor 'big'")
@@ -155,6 +164,7 @@ class _Loader:
         return self.reader.has_record(name)
 
     def get_record(self, name: str):
+        self.check(name)
         data = self.reader.get_record(name)
         if name == "data.pkl":
             try:
@@ -167,6 +177,8 @@ class _Loader:
         return self.reader.get_record_offset(name)
 
     def serialization_id(self) -> str:
+        if self.reader.has_record(".data/serialization_id"):
+            self.check(".data/serialization_id")
         return self.reader.serialization_id()
 
 
@@ -194,7 +206,26 @@ def read_archive(f) -> tuple:
             "load_checkpoint reads archives on a little-endian machine, with torch.load's default byte order "
             "(torch.serialization.set_default_load_endianness changed it)"
         )
-    loader = _Loader(reader)
+    size = f.seek(0, 2)
+    read: list = []
+
+    def directory() -> dict:
+        if not read:
+            read.append(_directory(f))
+        return read[0]
+
+    def check(name: str) -> None:
+        # PyTorch's reader checks no CRC and ignores a failed inflate: a deflated
+        # record that does not inflate to its size, or a directory entry pointing
+        # at another record's header, gives uninitialised memory (torch.load's
+        # verdict then changes from run to run); _locate refuses both.
+        try:
+            nbytes = reader.get_record_size(name)
+        except Exception as e:  # noqa: BLE001
+            raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
+        _locate(f, size, reader, directory, name, nbytes)
+
+    loader = _Loader(reader, check)
     tls = torch.serialization._serialization_tls
     before = tls.map_location
     try:
@@ -206,7 +237,7 @@ def read_archive(f) -> tuple:
     finally:
         tls.map_location = before  # the loader leaves it set when it raises
     order = loader.order or _byte_order()
-    records = _records(f, reader, loader.storages, order != sys.byteorder.encode())
+    records = _records(f, size, reader, directory, loader.storages, order != sys.byteorder.encode())
     return obj, records
 
 
@@ -282,15 +313,7 @@ def _swap_unit(dtype: torch.dtype) -> int:
     return max(size // 2, 1) if dtype.is_complex else size
 
 
-def _records(f, reader, storages: dict, swap: bool) -> dict:
-    size = f.seek(0, 2)
-    read: list = []
-
-    def directory() -> dict:
-        if not read:
-            read.append(_directory(f))
-        return read[0]
-
+def _records(f, size: int, reader, directory, storages: dict, swap: bool) -> dict:
     found, out = {}, {}
     for cdata, (name, dtype, nbytes) in storages.items():
         if name not in found:

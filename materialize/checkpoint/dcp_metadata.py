@@ -119,7 +119,11 @@ def tensors(meta, path: str) -> dict:
             raise bad(f"{field}.properties.dtype", f"is {short(dtype)}")
         if layout is not torch.strided:
             raise bad(f"{field}.properties.layout", f"is {short(layout)}; only dense (strided) tensors are read")
-        shape = _ints(vars(item).get("size"), bad, f"{field}.size")
+        shape = vars(item).get("size")
+        if type(shape) is list:
+            # dcp.load compares it with the tensor's torch.Size: a list never equals one.
+            raise bad(f"{field}.size", f"is the list {short(shape)}, not a torch.Size (dcp.load refuses it)")
+        shape = _ints(shape, bad, f"{field}.size")
         listed = vars(item).get("chunks")
         if type(listed) is not list:
             raise bad(f"{field}.chunks", f"is {short(listed)}, not a list")

@@ -156,6 +156,34 @@ def test_chunks_inside_their_files_and_tensors(ckpt):
         open(os.path.join(path, ".metadata"), "wb").write(original)
 
 
+def _dcp_load(path):
+    torch.manual_seed(0)
+    m = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(m.state_dict(), checkpoint_id=path, no_dist=True)
+    return m
+
+
+def test_a_size_written_as_a_list_is_refused_as_dcp_load_refuses_it(ckpt):
+    """dcp.load compares a tensor's ``size`` with the module's ``torch.Size``: a
+    list never equals one, a tuple does (found by the fuzzer's long profile)."""
+    path, _ = ckpt
+    meta = metadata(path)
+    meta.state_dict_metadata["0.bias"].size = list(meta.state_dict_metadata["0.bias"].size)
+    write_metadata(path, meta)
+    with pytest.raises(BaseException, match="Size mismatch"):  # dcp's CheckpointException is a BaseException
+        _dcp_load(path)
+    refused(path, r"state_dict_metadata\['0.bias'\]\.size is the list \[16\], not a torch.Size")
+    meta.state_dict_metadata["0.bias"].size = tuple(meta.state_dict_metadata["0.bias"].size)
+    write_metadata(path, meta)
+    reference = _dcp_load(path).state_dict()
+    m = deferred_init(build)
+    load_checkpoint(m, path)
+    materialize_module(m)
+    assert all(torch.equal(v, reference[k]) for k, v in m.state_dict().items())
+
+
 def test_overlapping_chunks(tmp_path):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 

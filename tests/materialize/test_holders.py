@@ -181,15 +181,6 @@ def test_accelerate_cpu_offload_of_a_deferred_model_works_as_eagerly():
     assert not is_fake(out) and torch.equal(out, eager.eval()(X))
 
 
-def test_accelerate_dispatch_model_names_itself_and_the_fix(tmp_path):
-    model = _built(True)
-    with pytest.raises(FakeDataAccessError, match=r"inside accelerate\.big_modeling\.dispatch_model \(called at") as info:
-        accelerate.dispatch_model(model, device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"},
-                                  offload_dir=str(tmp_path))
-    assert "materialize it first (materialize_module(model)), then call dispatch_model" in str(info.value)
-    assert is_deferred(model)
-
-
 def _module_state(model):
     """What each module holds, by identity: its __dict__ (hooks, a forward put in
     place), parameters and buffers."""
@@ -200,18 +191,102 @@ def _module_state(model):
     }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dispatch_model asks data_ptr() (its map of tied weights) of the first module with tensors of its own, "
-    "after attaching its hook to the modules before it (here the root): the refusal comes from inside the "
-    "call, and no protocol tells the project where a library call starts; remove_hook_from_module(model, "
-    "recurse=True) takes the hooks off (docs/libraries.md#accelerate)"))
-def test_accelerate_dispatch_model_refused_leaves_the_model_as_it_was(tmp_path):
+def test_accelerate_disk_offload_of_a_deferred_model_works_as_eagerly(tmp_path):
+    """disk_offload writes each weight's values under offload_dir (numpy() of a
+    deferred tensor computes them), moves the parameters to meta and reads the
+    files back in each forward: the files hold eager's bytes, the buffers left
+    on the module materialize, and the generator afterwards is eager's."""
+    eager = _built(False)
+    accelerate.disk_offload(eager, str(tmp_path / "eager"), execution_device="cpu")
+    after_eager = torch.rand(8)
     model = _built(True)
-    before = _module_state(model)
-    with pytest.raises(FakeDataAccessError, match="then call dispatch_model"):
-        accelerate.dispatch_model(model, device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"},
-                                  offload_dir=str(tmp_path))
-    assert _module_state(model) == before
+    accelerate.disk_offload(model, str(tmp_path / "deferred"), execution_device="cpu")
+    assert is_deferred(model)  # the BatchNorm buffers stay on the module, deferred
+    files = sorted(p.name for p in (tmp_path / "eager").iterdir())
+    assert sorted(p.name for p in (tmp_path / "deferred").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "deferred" / name).read_bytes() == (tmp_path / "eager" / name).read_bytes(), name
+    materialize_module(model)
+    assert not is_deferred(model)
+    assert torch.equal(torch.rand(8), after_eager)
+    out = model.eval()(X)
+    assert not is_fake(out) and torch.equal(out, eager.eval()(X))
+
+
+def _tied():
+    net = nn.Sequential(nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 6))
+    net[2].weight = net[0].weight
+    return net
+
+
+# dispatch_model with hooks asks parameters for their data_ptr() (its map of
+# tied weights: big_modeling.py before any hook when weights are tied,
+# set_module_tensor_to_device in each hook's init_hook otherwise, after
+# add_hook_to_module has set _old_forward).  Before, a deferred tensor refused
+# it from inside the call, with the modules half hooked; now the tensor asked
+# becomes real, as it is eagerly.
+_DISPATCHES = {
+    "a disk entry": (_net, dict(device_map={"0": "cpu", "1": "cpu", "2": "cpu", "3": "disk"})),
+    "force_hooks": (_net, dict(device_map={"": "cpu"}, force_hooks=True)),
+    "tied weights and a disk entry": (_tied, dict(device_map={"0": "cpu", "1": "cpu", "2": "disk"})),
+}
+
+
+def _dispatched(model):
+    """What a dispatched module holds: each tensor's class, device and values
+    (meta: shape), which are tied, and the hook on each module."""
+    tensors = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        tensors[name] = (type(t), t.device, t.shape if t.is_meta else t.detach().clone())
+    ties = sorted(a for a, t in model.named_parameters(remove_duplicate=False)
+                  for b, u in model.named_parameters(remove_duplicate=False) if a < b and t is u)
+    hooks = {name: repr(getattr(m, "_hf_hook", None)) for name, m in model.named_modules()}
+    return tensors, ties, hooks
+
+
+@pytest.mark.parametrize("dispatch", list(_DISPATCHES))
+def test_accelerate_dispatch_model_of_a_deferred_model_works_as_eagerly(tmp_path, dispatch):
+    build, kwargs = _DISPATCHES[dispatch]
+    eager = _built(False, build)
+    accelerate.dispatch_model(eager, offload_dir=str(tmp_path / "eager"), **kwargs)
+    after_eager = torch.rand(8)
+    model = _built(True, build)
+    accelerate.dispatch_model(model, offload_dir=str(tmp_path / "deferred"), **kwargs)
+    materialize_module(model)  # what the hooks did not ask for (nothing here), as for any deferred model
+    assert not is_deferred(model)
+    assert torch.equal(torch.rand(8), after_eager)
+    (tensors, ties, hooks), (eager_tensors, eager_ties, eager_hooks) = _dispatched(model), _dispatched(eager)
+    assert ties == eager_ties and hooks == eager_hooks and tensors.keys() == eager_tensors.keys()
+    for name, (cls, device, value) in tensors.items():
+        eager_cls, eager_device, eager_value = eager_tensors[name]
+        assert (cls, device) == (eager_cls, eager_device), name
+        assert (value == eager_value) if device.type == "meta" else torch.equal(value, eager_value), name
+    if (tmp_path / "eager").exists():  # the "disk" modules' weights: eager's bytes
+        files = sorted(p.name for p in (tmp_path / "eager").iterdir())
+        assert sorted(p.name for p in (tmp_path / "deferred").iterdir()) == files
+        for name in files:
+            assert (tmp_path / "deferred" / name).read_bytes() == (tmp_path / "eager" / name).read_bytes(), name
+    out = model.eval()(X)
+    assert not is_fake(out) and torch.equal(out, eager.eval()(X))
+
+
+def test_data_ptr_makes_a_deferred_tensor_real_as_eagerly():
+    """The mechanism under dispatch_model: asked for its address after
+    construction, a deferred tensor becomes real in place (eager's values,
+    ties kept); the others stay deferred, and the generator after materializing is eager's."""
+    eager = _built(False, _tied)
+    after_eager = torch.rand(8)
+    model = _built(True, _tied)
+    weight = model[0].weight
+    address = weight.data_ptr()
+    assert weight is model[0].weight and type(weight) is nn.Parameter and not is_fake(weight)
+    assert address == weight.data_ptr() == model[2].weight.data_ptr()  # tied: one tensor
+    assert is_deferred(model) and is_fake(model[0].bias)
+    assert torch.equal(weight, eager[0].weight)
+    materialize_module(model)
+    assert torch.equal(torch.rand(8), after_eager)
+    assert_same_tensors(eager, model)
+    assert model[0].weight.data_ptr() == address  # materializing the rest keeps its memory
 
 
 # -- shared memory, dynamic quantization --------------------------------------------------------
