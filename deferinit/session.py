@@ -118,8 +118,11 @@ class _Recording:
         patches.TRUNC_NORMAL.acquire(self.entry)
         seeding.hold(self.entry)
         # The record reads the generators' entry states once the seeding API
-        # is diverted: a seed another thread sets from then on is logged
-        # (record.FOREIGN), not taken for this thread's own at its first draw.
+        # is diverted and no call that missed the diversion is under way: a
+        # seed another thread sets from then on is logged (record.FOREIGN),
+        # not taken for this thread's own at its first draw.
+        if self.outer is None:
+            seeding.wait_for_undiverted_calls()
         self.record = self.outer if self.outer is not None else Record(self.label)
         open_records().append(self.record)
         self.modes = fake_modes(RECORDER, self.record, fake_cuda=True)

@@ -125,6 +125,22 @@ class SharedPatch:
                     setattr(module, name, original)
             del self._saved[name]
 
+    def originals(self) -> dict:
+        """``{name: what it was}`` for the attributes replaced now (empty when none is).
+
+        Example::
+
+            >>> import types
+            >>> init = types.ModuleType("init")
+            >>> init._no_grad_trunc_normal_ = 1.0
+            >>> patch = SharedPatch("trunc normal", "torch.nn.init", lambda: init,
+            ...                     lambda m: {"_no_grad_trunc_normal_": 6.0})
+            >>> with patch.held():
+            ...     patch.originals()
+            {'_no_grad_trunc_normal_': 1.0}
+        """
+        return dict(self._saved)
+
     def installed(self) -> bool:
         """Whether the replacements are in place now (every one of them).
 

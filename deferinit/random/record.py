@@ -160,8 +160,9 @@ class Record:
         since = FOREIGN.epoch
         seed = current_seed(stream.generator)
         if seed != stream.observed and stream.observed is not None:
-            if not FOREIGN.explains(stream.key, seed, stream.since):
-                stream.event(k, SET, get_state(stream.generator))
+            since, seed, state = FOREIGN.look(stream.key, stream.generator, stream.since)
+            if state is not None:
+                stream.event(k, SET, state)
             stream.observed = seed
         stream.since = since
 
@@ -504,9 +505,32 @@ class Foreign:
         self.setting(set_state, gen, state)
 
     @holding("_lock")
-    def explains(self, key, seed: int, since: int) -> bool:
-        """Whether another thread gave ``key``'s generator ``seed`` after epoch ``since``."""
-        return any(epoch > since and s == seed for epoch, s in self._log.get(key, ()))
+    def look(self, key, gen: torch.Generator, since: int):
+        """Default generator ``gen`` (of ``key``), whose seed changed since epoch
+        ``since``, read under the lock the diverted calls set it under:
+        ``(epoch, seed, state)``, ``state`` None when the seed is the one the
+        latest of those calls left and that call came after ``since``
+        (another thread's doing), else the generator's state (a change no
+        diverted call made: this thread's own).  Read under the lock, not
+        before it: a seed read earlier may have been pushed out of the log
+        (``_KEEP``) by the sets of a thread seeding in a loop meanwhile.
+
+        Example::
+
+            >>> foreign = Foreign()
+            >>> since = foreign.epoch
+            >>> _ = foreign.setting(torch.manual_seed, 7)   # another thread's torch.manual_seed(7)
+            >>> foreign.look(CPU, CPU_GENERATOR, since)[1:]
+            (7, None)
+            >>> _ = CPU_GENERATOR.manual_seed(8)           # a kept reference: nobody logged it
+            >>> foreign.look(CPU, CPU_GENERATOR, since)[2] is None
+            False
+        """
+        seed = current_seed(gen)
+        log = self._log.get(key)
+        if log and log[-1][1] == seed and log[-1][0] > since:
+            return self.epoch, seed, None
+        return self.epoch, seed, get_state(gen)
 
 
 FOREIGN = Foreign()

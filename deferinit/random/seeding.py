@@ -44,6 +44,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import sys
+import threading
+import time
 import types
 import weakref
 
@@ -51,6 +54,7 @@ import torch
 
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.device import normalize
+from deferinit.fake.locking import locked
 from deferinit.fake.patch import release_all, shared_patch
 from deferinit.fake.tensor import FakeTensor
 
@@ -403,11 +407,11 @@ def hold_while_alive(record: Record) -> None:
     a seed or a state set in between is noticed (see :data:`LINEAGE`,
     :data:`CHAINS`): until that is moot (:func:`release_if_moot`) or the
     record dies."""
-    if record in _holders:
+    if _held(record) is not None:
         return
     holder = _Holder()
     weakref.finalize(record, release_all, FUNCTIONS, holder)  # release_all: safe in a finalizer
-    _holders[record] = holder
+    locked(_holders_lock, _add, record, holder)
     for patch in FUNCTIONS:
         patch.acquire(holder)
 
@@ -416,7 +420,25 @@ class _Holder:
     __slots__ = ("__weakref__",)
 
 
-_holders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# id(record) -> (a weak reference to it, its holder).  Other threads' reseeds look
+# through it (_release_moot) while a recording thread adds its record: changed and
+# copied under a lock.  A dead record's entry stays until the next addition (its
+# finalizer only lets go of the patches: see fake.patch.release_all).
+_holders: dict = {}
+_holders_lock = threading.Lock()
+
+
+def _add(record: Record, holder) -> None:
+    for key, (ref, _) in list(_holders.items()):
+        if ref() is None:
+            del _holders[key]
+    _holders[id(record)] = (weakref.ref(record), holder)
+
+
+def _held(record: Record):
+    """The holder ``record`` holds the diversion as, or None."""
+    held = _holders.get(id(record))
+    return held[1] if held is not None and held[0]() is record else None
 
 
 def release_if_moot(record: Record) -> None:
@@ -432,22 +454,118 @@ def release_if_moot(record: Record) -> None:
 
         >>> m = deferred_init(torch.nn.Linear, 2, 2)
         >>> record = m.weight._record
-        >>> record in _holders
+        >>> _held(record) is not None
         True
         >>> _ = torch.manual_seed(0)    # what m drew is moot now
-        >>> record in _holders
+        >>> _held(record) is not None
         False
     """
-    holder = _holders.get(record)
+    holder = _held(record)
     if holder is None:
         return
     for key, name in record.lineage.items():
         if LINEAGE.revivable(key, name) or LINEAGE.descends(key, name):
             return  # may still be handed over or continued there
-    _holders.pop(record, None)
+    locked(_holders_lock, _holders.pop, id(record), None)
     release_all(FUNCTIONS, holder)
 
 
 def _release_moot() -> None:
-    for record in list(_holders.keys()):
-        release_if_moot(record)
+    for ref, _ in locked(_holders_lock, list, _holders.values()):
+        record = ref()
+        if record is not None:
+            release_if_moot(record)
+
+
+# -- seeding calls already under way when a record opens ---------------------------------
+
+
+def wait_for_undiverted_calls(timeout: float = 2.0) -> bool:
+    """Wait until no other thread is inside one of torch's own seeding functions
+    (``torch.manual_seed``, ``set_rng_state``... as torch defines them, not
+    diverted), before a record reads its entry states.
+
+    The diversion reaches calls that look the function up once it is in
+    place.  A thread that looked ``torch.manual_seed`` up before (while no
+    record held the diversion, or while a reseed had let it go as moot)
+    and is inside it when a record opens would seed the generator after
+    the record read its entry seed, unlogged: the record would take that
+    seed for its own doing at its next draw (:meth:`Record._observe`).
+    Every call from here on is diverted (the recording holds the
+    diversion), so once those under way are over, any seed another thread
+    sets is logged.  No protocol tells which calls are under way: torch's
+    seeding functions are plain Python functions, and the only trace of a
+    call in progress is its frame, in ``sys._current_frames()``.  A call
+    that takes longer than ``timeout`` seconds is not waited for; returns
+    whether none was left under way.
+
+    Example::
+
+        >>> wait_for_undiverted_calls()    # no other thread is seeding
+        True
+    """
+    codes, deadline = _setter_codes(), None
+    while _others_inside(codes):
+        deadline = deadline if deadline is not None else time.monotonic() + timeout
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-4)  # lets the other thread finish its call
+    return True
+
+
+def _setter_codes() -> dict:
+    """``{code: [functions]}``: the functions diverted here that set a generator as a
+    lookup finds them (in place now, or what the diversion stands in for) and
+    every function those wrap (``__wrapped__``: dynamo's import wraps
+    ``torch.manual_seed``), by code object."""
+    codes: dict = {}
+    seen: set = set()
+    for patch, table in zip(FUNCTIONS, (_RANDOM, _RANDOM, _CUDA, _CUDA)):
+        saved = patch.originals()
+        module = patch._module()
+        for name, (_, sets, _) in table.items():
+            if not sets:
+                continue
+            for fn in (getattr(module, name, None), saved.get(name)):
+                while fn is not None and id(fn) not in seen:
+                    seen.add(id(fn))
+                    code = getattr(fn, "__code__", None)
+                    if code is not None:
+                        codes.setdefault(code, []).append(fn)
+                    fn = getattr(fn, "__deferinit_original__", None) or getattr(fn, "__wrapped__", None)
+    return codes
+
+
+def _others_inside(codes) -> bool:
+    """Whether a thread other than this one runs one of the functions of ``codes``
+    (anywhere in its stack)."""
+    frames = sys._current_frames()
+    try:
+        frames.pop(threading.get_ident(), None)
+        for frame in frames.values():
+            while frame is not None:
+                functions = codes.get(frame.f_code)
+                if functions is not None and any(_runs(frame, fn) for fn in functions):
+                    return True
+                frame = frame.f_back
+        return False
+    finally:
+        # This thread's frame in the dict would make a cycle keeping alive every
+        # local of its callers (the record being opened): none left behind.
+        frames = frame = None
+
+
+def _runs(frame, fn) -> bool:
+    """Whether ``frame`` (of ``fn``'s code) is a call of ``fn``: a wrapper's code is
+    shared by every function it wraps (dynamo's ``inner``), its closure tells
+    them apart."""
+    if not fn.__closure__:
+        return True
+    local = frame.f_locals  # a frame's free variables are among its locals
+    try:
+        return all(
+            local.get(name, _runs) is cell.cell_contents
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__)
+        )
+    except ValueError:  # an empty cell
+        return False
