@@ -249,7 +249,7 @@ def test_a_foreign_seed_pushed_out_of_the_log_is_still_told_apart(monkeypatch):
     under), so the second Linear follows the constructor's seed, as eagerly.
     Before, the seed read first was not found any more and the record took
     the generator's state for its own."""
-    import deferinit.record as record
+    import deferinit.random.record as record
 
     main, armed = threading.current_thread(), []
     read = record.current_seed
@@ -285,7 +285,8 @@ def test_a_reseed_in_another_thread_while_a_deferral_closes_raises_nothing():
     calling ``set_rng_state`` in a loop)."""
     import weakref as weakref_module
 
-    from deferinit import is_deferred, seeding
+    from deferinit import is_deferred
+    from deferinit.random import seeding
 
     first = deferred_init(Two)  # a closed record holding the diversion
     assert torch.manual_seed is not _undiverted(torch.manual_seed)
