@@ -110,7 +110,7 @@ class Replay:
             for x in node.flat:
                 if type(x) is Input:
                     devices.add(x.value.device)
-                elif isinstance(x, torch.device):
+                elif type(x) is torch.device:  # a final class
                     devices.add(x)
             if node.kind == "constant":
                 devices.add(node.target)
@@ -150,13 +150,20 @@ class Replay:
         wanted: dict[int, set] = {}
         # The recorded geometry of each output read (see materialize/reuse.py).
         self._produced = produced = {}
+        # Per node, the keys of the values it reads from this replay (worked
+        # out once: the loop below frees each at its last use).
+        read_keys = []
         for node in plan.order:
+            keys = []
             for x in reads(node):
                 if not real_read(x):
-                    key = x.value.key
+                    value = x.value
+                    key = value.key
+                    keys.append(key)
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
-                    produced.setdefault(key, x.value)
+                    produced.setdefault(key, value)
+            read_keys.append(keys)
         for inp in plan.targets:
             if not real_read(inp):
                 key = inp.value.key
@@ -174,22 +181,21 @@ class Replay:
                 self.draws, self.dtype_guard = draws, dtype_guard
                 binder = self.autograd
                 run_node = self.run_node
-                for done, node in enumerate(plan.order):
+                progress = self.progress
+                for done, (node, keys) in enumerate(zip(plan.order, read_keys)):
                     if binder is not None:
                         binder.advance(node.seq)
                     try:
                         run_node(node, wanted.get(id(node), ()))
                     except Exception as e:
                         raise self._failure(node, e) from e
-                    for x in reads(node):
-                        if not real_read(x):
-                            key = x.value.key
-                            left = uses[key] - 1
-                            uses[key] = left
-                            if left == 0:
-                                env.pop(key, None)
-                    if self.progress is not None:
-                        self.progress(done + 1, total)
+                    for key in keys:
+                        left = uses[key] - 1
+                        uses[key] = left
+                        if left == 0:
+                            env.pop(key, None)
+                    if progress is not None:
+                        progress(done + 1, total)
                 self.draw_stats = draws.stats
                 if binder is not None:
                     binder.advance(float("inf"))
