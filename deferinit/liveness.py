@@ -117,11 +117,14 @@ class Liveness:
     serves later reads of its other views.
     """
 
-    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, draws_before):
+    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, draws_before,
+                 known_before=None):
         # The plan's real_read, closure and draws_before (passed in: the plan imports this module).
         self._real_read = real_read
         self._full_closure = closure
         self._draws_before = draws_before
+        # ``(ids of draws, draws_before of them)``, if the plan has it already.
+        self._known_before = known_before
         self.targets = targets
         self.universe = universe
         self.streams = streams
@@ -386,8 +389,13 @@ class Liveness:
             node for node in self.order
             if node.rng is not None and self.modes.get(id(node)) != ALLOC and node.rng[0]() is not None
         ]
+        known = self._known_before
+        if known is not None and len(known[0]) == len(drawing) and all(id(n) in known[0] for n in drawing):
+            before = known[1]
+        else:
+            before = self._draws_before(drawing, self.streams)
         new = set()
-        for earlier in self._draws_before(drawing, self.streams):
+        for earlier in before:
             nid = id(earlier)
             if nid not in self.live or self.modes.get(nid) == ALLOC:
                 new.add(nid)

@@ -30,6 +30,7 @@ from deferinit.realdraws import with_generator
 from deferinit.record import FOREIGN
 from deferinit.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
 
+from .boxed import caller
 from .errors import DeviceUnavailableError
 
 
@@ -126,7 +127,7 @@ class Draws:
                 set_state(gen, state)
         target, kwargs, takes = with_generator(node, kwargs, gen)
         if takes:
-            out = target(*args, **kwargs)
+            out = caller(target)(*args, **kwargs)
         else:
             real = default_generator(rs.device)
             if id(real) not in self._borrowed:

@@ -84,9 +84,10 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             obj = _leaf(cls, real, fake.requires_grad and floating)
     else:  # the common case, without the context manager's cost (a model of many small tensors)
         obj = _leaf(cls, real, fake.requires_grad and floating)
-    for key, value in d.items():
-        if key not in INTERNAL_ATTRS:
-            obj.__dict__[key] = value
+    if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
+        for key, value in d.items():
+            if key not in INTERNAL_ATTRS:
+                obj.__dict__[key] = value
     return obj
 
 
