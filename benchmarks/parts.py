@@ -210,7 +210,7 @@ def main(quick: bool = False, only=None) -> str:
         eager = run_child(script, "child", case, "eager", *flags)
         deferred = run_child(script, "child", case, "deferred", *flags)
         if "cpu" in eager and "cpu" in deferred:
-            cpu.append(f"{label.split(',')[0]}: {eager['cpu']:.2f} s against {deferred['cpu']:.2f} s, "
+            cpu.append(f"{label}: {eager['cpu']:.2f} s against {deferred['cpu']:.2f} s, "
                        f"{deferred['cpu'] / eager['cpu']:.2f}x")
         same = "yes" if deferred["checksum"] == eager["checksum"] else "NO"
         notes.update(f"`{k}` ({v})" for k, v in deferred["fallbacks"].items())
