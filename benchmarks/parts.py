@@ -20,7 +20,7 @@ Goals: at most 2x eager construction of the piece (rows 1-3).  The
 figures of one rank of a sharded model are in ``benchmarks/sharding.py``.
 
 Run: ``python benchmarks/parts.py`` (prints markdown; ``--quick`` for tiny
-shapes).  Child mode (internal): ``python benchmarks/parts.py child CASE MODE [--quick]``.
+shapes; ``--only=many,many-linear`` for some rows).  Child mode (internal): ``python benchmarks/parts.py child CASE MODE [--quick]``.
 """
 
 from __future__ import annotations
@@ -135,9 +135,9 @@ def child(case: str, mode: str, quick: bool) -> dict:
             model = deferred_init(transformers.LlamaForCausalLM, config)
             index = 0 if case.endswith("-0") else config.num_hidden_layers - 1
             part = model.model.layers[index]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             materialize_module(part)
-            result["seconds"] = time.perf_counter() - start
+            result["seconds"], result["cpu"] = time.perf_counter() - start, time.process_time() - cpu
     elif case == "demo70b-last":
         from deferinit.demo import DecoderLayer, Llama
 
@@ -149,31 +149,31 @@ def child(case: str, mode: str, quick: bool) -> dict:
         else:
             model = deferred_init(Llama, shape)
             part = model.layers[shape.num_layers - 1]
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             materialize_module(part)
-            result["seconds"] = time.perf_counter() - start
+            result["seconds"], result["cpu"] = time.perf_counter() - start, time.process_time() - cpu
     elif case in ("many", "many-linear"):
         n = 2_000 if quick else 50_000
         linear = case == "many-linear"
         if mode == "eager":
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             part = Many.build(n, linear)
-            result["seconds"] = time.perf_counter() - start
+            result["seconds"], result["cpu"] = time.perf_counter() - start, time.process_time() - cpu
         else:
             part = deferred_init(Many.build, n, linear)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             materialize_module(part)
-            result["seconds"] = time.perf_counter() - start
+            result["seconds"], result["cpu"] = time.perf_counter() - start, time.process_time() - cpu
     elif case == "moe":
         if mode == "eager":
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             part = moe(quick)
-            result["seconds"] = time.perf_counter() - start
+            result["seconds"], result["cpu"] = time.perf_counter() - start, time.process_time() - cpu
         else:
             part = deferred_init(moe, quick)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             materialize_module(part)
-            result["seconds"] = time.perf_counter() - start
+            result["seconds"], result["cpu"] = time.perf_counter() - start, time.process_time() - cpu
     else:
         raise SystemExit(f"unknown case {case}")
     # Read before the checksum, whose float64 copies would otherwise be the
@@ -198,14 +198,20 @@ CASES = [
 ]
 
 
-def main(quick: bool = False) -> str:
+def main(quick: bool = False, only=None) -> str:
     script = os.path.abspath(__file__)
     flags = ["--quick"] if quick else []
     rows = []
     notes = set()
+    cpu = []
     for case, label, reference, comparable in CASES:
+        if only is not None and case not in only:
+            continue
         eager = run_child(script, "child", case, "eager", *flags)
         deferred = run_child(script, "child", case, "deferred", *flags)
+        if "cpu" in eager and "cpu" in deferred:
+            cpu.append(f"{label}: {eager['cpu']:.2f} s against {deferred['cpu']:.2f} s, "
+                       f"{deferred['cpu'] / eager['cpu']:.2f}x")
         same = "yes" if deferred["checksum"] == eager["checksum"] else "NO"
         notes.update(f"`{k}` ({v})" for k, v in deferred["fallbacks"].items())
         rows.append([
@@ -225,6 +231,9 @@ def main(quick: bool = False) -> str:
         "construction of one layer alone, whose values are not the model's layer (those are checked against "
         "eager construction of whole models in tests/materialize). Draws generated instead of jumped over "
         f"(their word counts not known): {fallbacks}.",
+        "",
+        "CPU time of the same processes (`time.process_time`, less sensitive to the machine's load), "
+        "eager construction against materialization: " + ("; ".join(cpu) or "none") + ".",
     ])
 
 
@@ -232,4 +241,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "child":
         print(json.dumps(child(sys.argv[2], sys.argv[3], "--quick" in sys.argv)))
     else:
-        print(main(quick="--quick" in sys.argv))
+        only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
+        print(main(quick="--quick" in sys.argv, only=only))

@@ -83,14 +83,27 @@ def hidden_by_load(node) -> bool:
     replaces)."""
     return node in _HIDDEN_BY_LOAD
 
-_VIEW_OPS: dict = {}  # id(op) -> whether it makes a view (OpOverload's hash is Python code)
+# id(op) -> (makes a view, needs only its input's geometry, copies it
+# elementwise, is copy_): asked once per kind of node, not per node
+# (OpOverload's hash is Python code).
+_OP_FLAGS: dict = {}
 
 
-def _is_view_op(op) -> bool:
-    found = _VIEW_OPS.get(id(op))
+def _op_flags(op) -> tuple:
+    found = _OP_FLAGS.get(id(op))
     if found is None:
-        found = _VIEW_OPS[id(op)] = op_info(op).view_arg is not None
+        found = _OP_FLAGS[id(op)] = (
+            op_info(op).view_arg is not None, op in GEOMETRY_ONLY, op in ELEMENTWISE_COPIES, op is aten.copy_.default,
+        )
     return found
+
+
+_NOT_OP = (False, False, False, False)
+
+
+def _factory(node) -> bool:
+    """A call that reads and writes no recorded tensor (randn, empty, a constant)."""
+    return not node.writes and not node.reshapes and Input not in map(type, node.flat)
 
 
 class Liveness:
@@ -104,11 +117,14 @@ class Liveness:
     serves later reads of its other views.
     """
 
-    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, draws_before):
+    def __init__(self, targets, extra, universe: dict, streams: dict, *, real_read, closure, draws_before,
+                 known_before=None):
         # The plan's real_read, closure and draws_before (passed in: the plan imports this module).
         self._real_read = real_read
         self._full_closure = closure
         self._draws_before = draws_before
+        # ``(ids of draws, draws_before of them)``, if the plan has it already.
+        self._known_before = known_before
         self.targets = targets
         self.universe = universe
         self.streams = streams
@@ -225,7 +241,15 @@ class Liveness:
                     left.append((r, floor))
             pending[k] = left
 
+        # The fast lane: targets whose whole history is one factory call (a
+        # randn, a constant): nothing writes their storage, so that call is
+        # live, run as recorded, whatever else is demanded of it.
+        whole = set()
         for inp in self.targets:
+            value = inp.value
+            if inp.version is None and 0 not in value.size and _factory(value.node) and not real_read(inp):
+                whole.add(id(value.node))
+                continue
             region = None
             if not real_read(inp):
                 root = root_value(inp.value)
@@ -238,7 +262,27 @@ class Liveness:
             nid = id(node)
             outs = objects.get(nid)
             seq = node.seq
-            if node.kind == "op" and not node.writes and _is_view_op(node.target):
+            if nid in whole:
+                live[nid] = node
+                continue
+            view_op, view_only, elementwise, copy = _op_flags(node.target) if node.kind == "op" else _NOT_OP
+            if not node.writes and not view_op and nid not in forced and Input not in map(type, node.flat):
+                # A factory (randn, empty, a constant) reads and writes
+                # nothing: only its own outputs matter.
+                if outs:
+                    if any(demanded(value, seq)[2] for value in outs.values()):
+                        live[nid] = node
+                    elif nid not in gen and allocatable(node, outs):
+                        live[nid] = node
+                        modes[nid] = ALLOC
+                        allocs[nid] = dict(outs)
+                    else:
+                        live[nid] = node
+                elif nid in gen:
+                    live[nid] = node
+                    modes[nid] = GENERATOR
+                continue
+            if not node.writes and view_op:
                 if outs or nid in forced:
                     live[nid] = node
                     for x in node.flat:
@@ -269,7 +313,7 @@ class Liveness:
                 mode = GENERATOR
             elif outs and not content and nid not in gen and allocatable(node, outs):
                 mode = ALLOC
-            elif loads_hide and node.kind == "op" and node.target is aten.copy_.default and node.writes == (0,):
+            elif loads_hide and copy and node.writes == (0,):
                 found = direct_copy(node, self._real_read)
                 if found is not None:
                     mode = DIRECT
@@ -311,9 +355,8 @@ class Liveness:
                 scratches[nid] = frozenset(scratch)
             if mode == DIRECT:
                 continue
-            view_only = node.kind == "op" and node.target in GEOMETRY_ONLY
             partial = None
-            if node.kind == "op" and node.target in ELEMENTWISE_COPIES and nid not in forced and outs and 0 in outs:
+            if elementwise and nid not in forced and outs and 0 in outs:
                 # Only the parts of the input that the demanded parts of the output come from.
                 source = next((x for x in node.flat if type(x) is Input), None)
                 found = demanded(outs[0], seq)[2]
@@ -346,8 +389,13 @@ class Liveness:
             node for node in self.order
             if node.rng is not None and self.modes.get(id(node)) != ALLOC and node.rng[0]() is not None
         ]
+        known = self._known_before
+        if known is not None and len(known[0]) == len(drawing) and all(id(n) in known[0] for n in drawing):
+            before = known[1]
+        else:
+            before = self._draws_before(drawing, self.streams)
         new = set()
-        for earlier in self._draws_before(drawing, self.streams):
+        for earlier in before:
             nid = id(earlier)
             if nid not in self.live or self.modes.get(nid) == ALLOC:
                 new.add(nid)

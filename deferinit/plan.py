@@ -143,7 +143,8 @@ class Plan:
                     seen.setdefault(id(stream), stream)
             self.streams = replay_streams(list(seen.values()), self.device_map)
             before = len(needed)
-            closure((), draws_before(needed.values(), self.streams), needed)
+            found = draws_before(needed.values(), self.streams)
+            closure((), found, needed)
             if len(needed) == before:
                 break
         for node in needed.values():
@@ -156,9 +157,12 @@ class Plan:
             return
         # -- dead-work elimination: of everything the reads could need, what
         # their values and the live draws' generator states really depend on.
+        # What the last pass found is draws_before of every draw planned: the
+        # liveness pass, asking the same of the same draws, reuses it.
+        asked = frozenset(id(n) for n in needed.values() if n.rng is not None and n.rng[0]() is not None)
         self.liveness = Liveness(
             self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure,
-            draws_before=draws_before,
+            draws_before=draws_before, known_before=(asked, found),
         )
         self.order = self.liveness.order
 

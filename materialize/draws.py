@@ -31,6 +31,7 @@ from deferinit.random.record import FOREIGN
 from deferinit.random.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
 from deferinit.random.streams import state_before
 
+from .boxed import caller
 from .errors import DeviceUnavailableError
 
 
@@ -123,7 +124,7 @@ class Draws:
                 set_state(gen, state)
         target, kwargs, takes = with_generator(node, kwargs, gen)
         if takes:
-            out = target(*args, **kwargs)
+            out = caller(target)(*args, **kwargs)
         else:
             real = default_generator(rs.device)
             if id(real) not in self._borrowed:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .errors import AutogradMaterializationError
-from .autograd import Binder, grad_fn_of, is_grad_view
+from .autograd import Binder, grad_fn_of
 
 
 def check_graph(name: str, fake: torch.Tensor, real: torch.Tensor, binder: Binder | None) -> None:
@@ -20,13 +20,13 @@ def check_graph(name: str, fake: torch.Tensor, real: torch.Tensor, binder: Binde
     is ``fake``'s: the same nodes, edges and leaves."""
     if fake.is_inference():
         return
-    if is_grad_view(fake):
-        # Rebuilt as a view of its base when replay could (dress falls back
-        # to a leaf that requires grad: docs/errors.md, known differences).
+    grad_fn = grad_fn_of(fake)
+    if grad_fn is None:
+        # A leaf; or a view taken under no_grad (is_grad_view), rebuilt as
+        # a view of its base when replay could (dress falls back to a leaf
+        # that requires grad: docs/errors.md, known differences).
         return
-    if grad_fn_of(fake) is None:
-        return
-    stack = [(grad_fn_of(fake), grad_fn_of(real))]
+    stack = [(grad_fn, grad_fn_of(real))]
     seen = set()
     while stack:
         f, r = stack.pop()

@@ -51,6 +51,7 @@ from deferinit.fake.tensor import describe
 
 from .errors import DeviceUnavailableError, ExternalTensorMutatedError
 from .autograd import real_root, regenerated, view_again
+from .boxed import caller
 from .draws import Draws
 from .reuse import in_place_variant, reusable
 
@@ -110,7 +111,7 @@ class Replay:
             for x in node.flat:
                 if type(x) is Input:
                     devices.add(x.value.device)
-                elif isinstance(x, torch.device):
+                elif type(x) is torch.device:  # a final class
                     devices.add(x)
             if node.kind == "constant":
                 devices.add(node.target)
@@ -150,19 +151,31 @@ class Replay:
         wanted: dict[int, set] = {}
         # The recorded geometry of each output read (see materialize/reuse.py).
         self._produced = produced = {}
+        # Per node, the keys of the values it reads from this replay (worked
+        # out once: the loop below frees each at its last use).
+        read_keys = []
         for node in plan.order:
+            keys = []
             for x in reads(node):
                 if not real_read(x):
-                    key = x.value.key
+                    value = x.value
+                    key = value.key
+                    keys.append(key)
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
-                    produced.setdefault(key, x.value)
+                    produced.setdefault(key, value)
+            read_keys.append(keys)
         for inp in plan.targets:
             if not real_read(inp):
-                key = inp.value.key
+                value = inp.value
+                node, index = key = (value.node, value.index)
                 uses[key] = uses.get(key, 0) + 1_000_000_000  # never freed
-                wanted.setdefault(id(key[0]), set()).add(key[1])
-                produced.setdefault(key, inp.value)
+                found = wanted.get(id(node))
+                if found is None:
+                    wanted[id(node)] = {index}
+                else:
+                    found.add(index)
+                produced.setdefault(key, value)
 
         self.env = env = {}
         self.real_views = {}
@@ -174,22 +187,21 @@ class Replay:
                 self.draws, self.dtype_guard = draws, dtype_guard
                 binder = self.autograd
                 run_node = self.run_node
-                for done, node in enumerate(plan.order):
+                progress = self.progress
+                for done, (node, keys) in enumerate(zip(plan.order, read_keys)):
                     if binder is not None:
                         binder.advance(node.seq)
                     try:
                         run_node(node, wanted.get(id(node), ()))
                     except Exception as e:
                         raise self._failure(node, e) from e
-                    for x in reads(node):
-                        if not real_read(x):
-                            key = x.value.key
-                            left = uses[key] - 1
-                            uses[key] = left
-                            if left == 0:
-                                env.pop(key, None)
-                    if self.progress is not None:
-                        self.progress(done + 1, total)
+                    for key in keys:
+                        left = uses[key] - 1
+                        uses[key] = left
+                        if left == 0:
+                            env.pop(key, None)
+                    if progress is not None:
+                        progress(done + 1, total)
                 self.draw_stats = draws.stats
                 if binder is not None:
                     binder.advance(float("inf"))
@@ -286,35 +298,36 @@ class Replay:
         scratch = liveness.scratch.get(id(node), ()) if liveness is not None else ()
         in_place = node.kind == "op" and not scratch and reusable(self, node, env, self._uses, self._produced, self._borrowed)
         device_map = self.device_map
+        facts = node.autograd
         args = []
         first_input = True
         for i, x in enumerate(node.flat):
             if type(x) is Input:
                 t = scratch_for(x, device_map) if i in scratch else self.resolve(x)
-                if node.reshapes and first_input and not node.autograd.data_swap:
+                if node.reshapes and first_input and not facts.data_swap:
                     # t_(), set_(), ...: change an alias, not the tensor other
                     # values still refer to.
                     t = self._alias(node, t, len(args))
-                elif i in node.autograd.plain_writes and node.autograd.grad is None and t.requires_grad:
+                elif i in facts.plain_writes and facts.grad is None and t.requires_grad:
                     # Eagerly written through an alias that requires no grad
                     # (resize_ refuses a tensor that does, even under no_grad).
                     t = _detach(t)
-                if i in node.autograd.data_writes and self.autograd is not None:
+                if i in facts.data_writes and self.autograd is not None:
                     # Eagerly through t.data, whose version counter is its own:
                     # the views of t keep their grad_fn.
                     t = t.data
                 first_input = False
                 args.append(t)
-            elif isinstance(x, torch.device):
+            elif type(x) is torch.device:  # a final class
                 args.append(device_map(x))
             else:
                 args.append(x)
         a, k = unflatten(args, node.spec)
 
         self.dtype_guard.set(node.default_dtype)
-        if node.autograd.data_swap:
+        if facts.data_swap:
             out = self._swap_data(node, args)
-        elif node.autograd.grad is not None and self.autograd is not None:
+        elif facts.grad is not None and self.autograd is not None:
             out = self._run_with_grad(node, args)
         elif in_place:
             out = in_place_variant(node.target)(*a, **k)
@@ -322,7 +335,7 @@ class Replay:
             part = liveness.parts.get(id(node)) if liveness is not None else None
             out = self.draws.call(node, a, k, part)
         else:
-            out = node.target(*a, **k)
+            out = caller(node.target)(*a, **k)
 
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]

@@ -42,10 +42,12 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     # A Parameter (or subclass), or a tensor subclass made from a fake (deferinit.fake.subclass).
     cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
     grad_fn = grad_fn_of(fake)
+    # is_grad_view(fake), asked once (grad_fn is its first question).
+    grad_view = grad_fn is None and is_grad_view(fake)
     if inference or fake.is_inference():
         # Eager construction under inference_mode() records no graph: what
         # required grad as a leaf still does, the rest does not.
-        requires_grad = fake.requires_grad and grad_fn is None and not is_grad_view(fake) and floating
+        requires_grad = fake.requires_grad and grad_fn is None and not grad_view and floating
         with torch.inference_mode():
             if not real.is_inference():
                 # A new tensor allocated in inference mode is an inference
@@ -60,12 +62,12 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             obj.__class__ = cls  # made as the base of views (deferinit.materialize.autograd.Binder)
     elif retaken and real._is_view():
         obj = real
-    elif is_grad_view(fake) and not (real.requires_grad and real._is_view()):
+    elif grad_view and not (real.requires_grad and real._is_view()):
         # A view taken under no_grad that replay could not take again from
         # its base: a leaf that requires grad, as before its base was known.
         with torch.inference_mode(False):
             obj = _leaf(cls, real, floating)
-    elif grad_fn is not None or is_grad_view(fake):
+    elif grad_fn is not None or grad_view:
         if not real.requires_grad:
             raise AutogradMaterializationError(
                 f"a tensor computed from tensors that require grad ({type(grad_fn).__name__}) "
@@ -82,9 +84,10 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
             obj = _leaf(cls, real, fake.requires_grad and floating)
     else:  # the common case, without the context manager's cost (a model of many small tensors)
         obj = _leaf(cls, real, fake.requires_grad and floating)
-    for key, value in d.items():
-        if key not in INTERNAL_ATTRS:
-            obj.__dict__[key] = value
+    if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
+        for key, value in d.items():
+            if key not in INTERNAL_ATTRS:
+                obj.__dict__[key] = value
     return obj
 
 

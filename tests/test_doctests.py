@@ -61,6 +61,7 @@ MODULES = [
     "deferinit.planning.picture",
     "deferinit.planning.recipe",
     "deferinit.materialize.replay",
+    "deferinit.materialize.boxed",
     "deferinit.materialize.evaluate",
     "deferinit.materialize",
     "deferinit.materialize.api",
