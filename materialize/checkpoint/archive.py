@@ -182,6 +182,14 @@ class _Loader:
         return self.reader.serialization_id()
 
 
+def _record_size(reader, name: str) -> int:
+    """The size PyTorch's reader gives the record ``name``."""
+    try:
+        return reader.get_record_size(name)
+    except Exception as e:  # noqa: BLE001 - whatever PyTorch's reader refuses, torch.load refuses
+        raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
+
+
 def _byte_order() -> bytes:
     """What ``torch.load`` takes for an archive without a ``byteorder`` record."""
     Endianness = torch.serialization.LoadEndianness
@@ -219,11 +227,7 @@ def read_archive(f) -> tuple:
         # record that does not inflate to its size, or a directory entry pointing
         # at another record's header, gives uninitialised memory (torch.load's
         # verdict then changes from run to run); _locate refuses both.
-        try:
-            nbytes = reader.get_record_size(name)
-        except Exception as e:  # noqa: BLE001
-            raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
-        _locate(f, size, reader, directory, name, nbytes)
+        _locate(f, size, reader, directory, name, _record_size(reader, name))
 
     loader = _Loader(reader, check)
     tls = torch.serialization._serialization_tls
@@ -317,10 +321,7 @@ def _records(f, size: int, reader, directory, storages: dict, swap: bool) -> dic
     found, out = {}, {}
     for cdata, (name, dtype, nbytes) in storages.items():
         if name not in found:
-            try:
-                stored = reader.get_record_size(name)
-            except Exception as e:  # noqa: BLE001
-                raise ArchiveError(f"torch.load cannot read its record {name!r} ({_first_line(e)})") from None
+            stored = _record_size(reader, name)
             if stored != nbytes:
                 raise ArchiveError(f"record {name!r} has {stored} bytes, its pickle says {nbytes}")
             found[name] = _locate(f, size, reader, directory, name, nbytes)
