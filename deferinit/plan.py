@@ -10,6 +10,9 @@ Shared by the interpreter (:mod:`deferinit.materialize.replay`), the printed gra
 * **Random streams.**  A random node must draw from the state its generator
   had eagerly.  For every needed draw, the draws between the nearest known
   earlier state and it are planned too (their results are thrown away).
+  When a load is among the reads, only the draws the liveness pass keeps
+  live get theirs (a draw a load overwrites needs no state: planning each
+  loaded parameter alone does not walk every earlier one's draw).
 * **Devices.**  A :class:`DeviceMap` maps every recorded device to another
   one; draws recorded for several devices then come from one generator.
 * **Dead work.**  Of all that, :mod:`deferinit.liveness` keeps what the
