@@ -12,20 +12,18 @@ afterwards whether a real generator is moved to where eager construction
 left it.
 
 On a CPU generator, a draw replayed only for the state it leaves is not
-drawn: the generator jumps over it (:mod:`deferinit.random.jumps`), and a draw of
-which the replay needs only a part (a shard's rows) draws only that part,
-when the kernel's count and layout are known exactly
-(:mod:`deferinit.random.consumption`); other draws are generated, as on CUDA,
-whose Philox generator is not jumped.
+drawn: the generator jumps over it, and a draw of which the replay needs
+only a part (a shard's rows) draws only that part, when the kernel's count
+and layout are known exactly (:mod:`deferinit.random.jumps`); other draws
+are generated, as on CUDA, whose Philox generator is not jumped.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deferinit.random.consumption import fallback
 from deferinit.fake.bypass import no_python_dispatch
-from deferinit.random.jumps import Cursor, checked, draw_part
+from deferinit.random.jumps import FALLBACKS, Cursor, checked, draw_part
 from deferinit.random.realdraws import with_generator
 from deferinit.random.record import FOREIGN
 from deferinit.random.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
@@ -87,7 +85,7 @@ class Draws:
             return False
         c = checked(node)
         if c is None:
-            fallback(node)
+            FALLBACKS[node.name] += 1
             self.stats["generated"] += 1
             return False
         index = rs.index[id(node)]
