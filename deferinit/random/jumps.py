@@ -70,7 +70,7 @@ from deferinit.fake.opinfo import bind
 
 from ..effects import contiguous
 from ..graph import Input
-from .mt19937 import advance, jump_is_cheap, normal_cache, without_normal_cache
+from .mt19937 import EXTEND_BELOW, advance, jump_is_cheap, normal_cache, without_normal_cache
 from .rng import get_state, set_state
 
 aten = torch.ops.aten
@@ -232,12 +232,11 @@ def consumption(node) -> Consumption | None:
 
 # -- skipping draws ----------------------------------------------------------
 
-# Debts of this many words and more, up to DRAW_BELOW, are drawn (below,
-# the words are computed without a kernel; above, jumped: drawing costs ~3
-# ns a word, a jump ~50 ms, or ~3 ms when its polynomial is cached, as for
-# the repeated gaps between a sharded rank's rows); into 1M words of
-# scratch at a time.
-EXTEND_BELOW = 1 << 16
+# Debts from EXTEND_BELOW words up to DRAW_BELOW are drawn (below, advance
+# computes the words without a kernel; above, jumped: drawing costs ~3 ns a
+# word, a jump ~50 ms, or ~3 ms when its polynomial is cached, as for the
+# repeated gaps between a sharded rank's rows); into 1M words of scratch at
+# a time.
 DRAW_BELOW = 1 << 22
 DRAW_BELOW_CACHED = 1 << 20
 _CHUNK = 1 << 20
@@ -247,14 +246,12 @@ class Cursor:
     """A private CPU generator, exact up to ``owed`` words not drawn yet (and a
     cached normal sample used up, if ``drop_normal``)."""
 
-    __slots__ = ("generator", "owed", "drop_normal", "jumped", "drawn")
+    __slots__ = ("generator", "owed", "drop_normal")
 
     def __init__(self, generator: torch.Generator):
         self.generator = generator
         self.owed = 0
         self.drop_normal = False
-        self.jumped = 0  # words skipped by jumps, for progress and summaries
-        self.drawn = 0  # words skipped by drawing into scratch
 
     def reset(self, state: torch.Tensor) -> None:
         """The generator is exactly ``state`` (what was owed no longer matters)."""
@@ -294,10 +291,8 @@ class Cursor:
             set_state(self.generator, state)
         owed, self.owed, self.drop_normal = self.owed, 0, False
         if EXTEND_BELOW <= owed < (DRAW_BELOW_CACHED if jump_is_cheap(state, owed) else DRAW_BELOW) and verified("random"):
-            self.drawn += owed
             _draw_words(self.generator, owed)
             return get_state(self.generator)
-        self.jumped += owed
         state = advance(state, owed)
         set_state(self.generator, state)
         return state
