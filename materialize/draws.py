@@ -1,21 +1,13 @@
 """Random nodes in a replay: each draws from a private generator put in the state
 its generator had eagerly.
 
-A private generator of the same kind, in the same state, draws the same
-numbers as the user's, so replay never touches a generator anyone else can
-see: not the default generators, which other threads share, nor an explicit
-one the user passed.  Operators that take no ``generator`` argument (and
-have no overload that does, as ``randn`` has ``randn.generator``) are the
-exception: they draw from the device's default generator, whose state is
-put back when the replay ends.  :mod:`deferinit.materialize.generators` decides
-afterwards whether a real generator is moved to where eager construction
-left it.
-
-On a CPU generator, a draw replayed only for the state it leaves is not
-drawn: the generator jumps over it, and a draw of which the replay needs
-only a part (a shard's rows) draws only that part, when the kernel's count
-and layout are known exactly (:mod:`deferinit.random.jumps`); other draws
-are generated, as on CUDA, whose Philox generator is not jumped.
+Replay never touches a generator anyone else can see, except for
+operators with no ``generator`` argument (nor an overload with one, as
+``randn.generator``): they borrow the device's default generator, put back
+when the replay ends.  On a CPU generator, a draw replayed only for the
+state it leaves is jumped over, and one of which only a part (a shard's
+rows) is needed draws only that part (:mod:`deferinit.random.jumps`); other
+draws are generated, as on CUDA.
 """
 
 from __future__ import annotations
