@@ -31,19 +31,11 @@ contradict, like any other call (``trunc_normal_``'s rejection loop, whose
 count depends on the values drawn; tensor-valued means; ``multinomial``),
 is generated as before.  :data:`FALLBACKS` counts those by name.
 
-A :class:`Cursor` holds a private CPU generator and the words it still
-owes: skipping a draw adds its words without drawing them, and the
-generator is brought up to date (:meth:`Cursor.settle`) only when a real
-draw needs it: short debts are paid by drawing into a small scratch
-buffer, long ones by a jump (:func:`deferinit.random.mt19937.advance`), so
-a run of skipped draws costs one jump whatever its length.  Per-element
-normal draws keep their second Box-Muller sample in the generator; when a
-skipped one leaves such a sample, its last pair is drawn for real (4
-words), which puts the very sample eager left there.  :func:`draw_part`
-fills only elements ``[lo, hi)`` of a tensor a kernel fills in order
-(``uniform_`` and its kind, ``normal_``'s blocks of 16): the generator
-jumps to the first word they need, draws them, and ends where the whole
-draw ends.
+A :class:`Cursor` owes the words of the draws it skips and pays them only
+when a real draw needs the state: a run of skipped draws costs one jump
+(:func:`deferinit.random.mt19937.advance`) whatever its length.
+:func:`draw_part` draws only elements ``[lo, hi)`` of a tensor a kernel
+fills in order (docs/materialize.md, "Reaching the generator's state").
 
 Example::
 
@@ -244,7 +236,11 @@ _CHUNK = 1 << 20
 
 class Cursor:
     """A private CPU generator, exact up to ``owed`` words not drawn yet (and a
-    cached normal sample used up, if ``drop_normal``)."""
+    cached normal sample used up, if ``drop_normal``).  Short debts are paid
+    by drawing into scratch, long ones by a jump.  A skipped per-element
+    normal draw that leaves its second Box-Muller sample in the generator
+    has its last pair drawn for real (4 words): that puts eager's sample
+    there."""
 
     __slots__ = ("generator", "owed", "drop_normal")
 
