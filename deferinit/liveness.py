@@ -32,6 +32,12 @@ remembered in this pass's own table (:func:`hidden_by_load`; the graph
 holds no analysis results): :mod:`deferinit.materialize.generators` does not
 replay them to reach the end of a stream.
 
+Two lanes skip the per-region bookkeeping where its answer is known: a
+target whose whole history is one factory call runs it as recorded, and
+one made by a factory and then one covering write that nothing else in the
+replay reads or writes (``empty`` then ``uniform_``, as ``nn.Linear`` makes
+its weight) runs the write and allocates the factory's output.
+
 Values whose storage is gone (temporaries nobody holds any more) and
 storages whose geometry changed in place (``t_()``, ``set_()``) are not
 analysed: their reads need their whole history, as before.
@@ -104,6 +110,65 @@ _NOT_OP = (False, False, False, False)
 def _factory(node) -> bool:
     """A call that reads and writes no recorded tensor (randn, empty, a constant)."""
     return not node.writes and not node.reshapes and Input not in map(type, node.flat)
+
+
+# Off only to compare the lane with the general scan (tests/deferinit/test_liveness_lanes.py).
+_FILL_LANE = True
+
+# id(op) -> (op, it returns one tensor).
+_ONE_OUTPUT: dict = {}
+
+
+def _one_output(op) -> bool:
+    found = _ONE_OUTPUT.get(id(op))
+    if found is None:
+        found = _ONE_OUTPUT[id(op)] = (op, type(op) is torch._ops.OpOverload and len(op._schema.returns) == 1)
+    return found[1]
+
+
+def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
+    """The targets whose whole history is a factory call and then one write
+    that covers its output without reading it (``empty`` then ``uniform_``),
+    with nothing else in ``universe`` reading or writing that storage:
+    ``({id(write): write}, {id(factory): {index: value}})``, the writes run as
+    recorded, the factories only allocated (their contents are all hidden)."""
+    found = {}  # id(storage) -> (write, factory, value), or None: not in the lane
+    for inp in targets:
+        value, write = inp.value, inp.version
+        storage = value.storage
+        if storage is None:
+            continue
+        if id(storage) in found:
+            found[id(storage)] = None  # two targets on one storage
+            continue
+        factory = value.node
+        first = write.flat[0] if write is not None and write.flat else None
+        if (
+            type(first) is Input and first.value is value and first.version is None
+            and write.kind in ("op", "opaque") and write.writes == (0,) and not write.reshapes
+            and factory.kind == "op" and _factory(factory) and _one_output(factory.target)
+            and 0 not in value.size and not real_read(inp)
+            and sum(type(x) is Input for x in write.flat) == 1 and overwrites(write)
+            and allocatable(factory, {value.index: value})
+        ):
+            found[id(storage)] = (write, factory, value, [0])
+        else:
+            found[id(storage)] = None
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        return {}, {}
+    for node in universe.values():
+        for x in node.flat:
+            if type(x) is Input:
+                entry = found.get(id(x.value._storage()))
+                if entry is not None:
+                    entry[3][0] += 1
+    fills, allocated = {}, {}
+    for write, factory, value, (reads,) in found.values():
+        if reads == 1:  # the write's own
+            fills[id(write)] = write
+            allocated[id(factory)] = {value.index: value}
+    return fills, allocated
 
 
 class Liveness:
@@ -245,10 +310,18 @@ class Liveness:
         # randn, a constant): nothing writes their storage, so that call is
         # live, run as recorded, whatever else is demanded of it.
         whole = set()
+        # The second lane: a factory whose output one write covers before
+        # anything else touches its storage (``empty`` then ``uniform_``, as
+        # nn.Linear makes its weight): the write runs, the factory only
+        # allocates (what the backward scan finds for them, without its
+        # bookkeeping per byte region).
+        fills, allocated = _filled(self.targets, self.universe, real_read) if _FILL_LANE else ({}, {})
         for inp in self.targets:
             value = inp.value
             if inp.version is None and 0 not in value.size and _factory(value.node) and not real_read(inp):
                 whole.add(id(value.node))
+                continue
+            if id(inp.version) in fills:
                 continue
             region = None
             if not real_read(inp):
@@ -262,8 +335,14 @@ class Liveness:
             nid = id(node)
             outs = objects.get(nid)
             seq = node.seq
-            if nid in whole:
+            if nid in whole or nid in fills:
                 live[nid] = node
+                continue
+            if nid in allocated:
+                live[nid] = node
+                if nid not in gen:
+                    modes[nid] = ALLOC
+                    allocs[nid] = allocated[nid]
                 continue
             view_op, view_only, elementwise, copy = _op_flags(node.target) if node.kind == "op" else _NOT_OP
             if not node.writes and not view_op and nid not in forced and Input not in map(type, node.flat):
