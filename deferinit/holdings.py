@@ -30,6 +30,7 @@ and they are held with it, under its kind.
 
 from __future__ import annotations
 
+import collections
 import functools
 import types
 
@@ -154,6 +155,11 @@ def _attrs(owner_name, owner, depth, found, seen):
             _visit(f"{owner_name}.{key}", value, depth, found, seen)
 
 
+# Exact types that hold no tensor (the first five), or none when empty.
+_EMPTY_OR_NOT = frozenset({bool, int, float, str, type(None)})
+_PLAIN = _EMPTY_OR_NOT | {dict, collections.OrderedDict, list, tuple, set}
+
+
 class _Walk:
     """One walk: containers of the module (``tensors``), then other objects (``beyond``)."""
 
@@ -167,6 +173,11 @@ class _Walk:
 
     def held(self, name: str, value) -> None:
         """What the module holds itself: tensors, and plain containers of them."""
+        if type(value) in _PLAIN:
+            # Most of a module's attributes (flags, sizes, empty hook maps):
+            # asked first, as a model of many small modules has millions.
+            if type(value) in _EMPTY_OR_NOT or not value:
+                return
         if isinstance(value, torch.Tensor):
             self.found.tensors.append((name, value, "attribute"))
         elif isinstance(value, _CONTAINERS):
