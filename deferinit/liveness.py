@@ -134,38 +134,40 @@ def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
     recorded, the factories only allocated (their contents are all hidden)."""
     found = {}  # id(storage) -> (write, factory, value), or None: not in the lane
     for inp in targets:
-        value, write = inp.value, inp.version
-        storage = value.storage
+        write = inp.version
+        if write is None:
+            continue
+        value = inp.value
+        storage = value._storage()
         if storage is None:
             continue
-        if id(storage) in found:
-            found[id(storage)] = None  # two targets on one storage
+        sid = id(storage)
+        if sid in found:
+            found[sid] = None  # two targets on one storage
             continue
+        flat = write.flat
+        first = flat[0] if flat else None
         factory = value.node
-        first = write.flat[0] if write is not None and write.flat else None
-        if (
+        found[sid] = (write, factory, value) if (
             type(first) is Input and first.value is value and first.version is None
-            and write.kind in ("op", "opaque") and write.writes == (0,) and not write.reshapes
+            and write.writes == (0,) and write.kind in ("op", "opaque") and not write.reshapes
+            and Input not in map(type, flat[1:]) and overwrites(write)
             and factory.kind == "op" and _factory(factory) and _one_output(factory.target)
-            and 0 not in value.size and not real_read(inp)
-            and sum(type(x) is Input for x in write.flat) == 1 and overwrites(write)
-            and allocatable(factory, {value.index: value})
-        ):
-            found[id(storage)] = (write, factory, value, [0])
-        else:
-            found[id(storage)] = None
+            and 0 not in value.size and not real_read(inp) and allocatable(factory, {value.index: value})
+        ) else None
     found = {k: v for k, v in found.items() if v is not None}
     if not found:
         return {}, {}
-    for node in universe.values():
-        for x in node.flat:
-            if type(x) is Input:
-                entry = found.get(id(x.value._storage()))
-                if entry is not None:
-                    entry[3][0] += 1
+    # How many reads of each of those storages the replay makes: the write's own only.
+    reads = dict.fromkeys(found, 0)
+    for sid in [
+        id(x.value._storage()) for node in universe.values() for x in node.flat if type(x) is Input
+    ]:
+        if sid in reads:
+            reads[sid] += 1
     fills, allocated = {}, {}
-    for write, factory, value, (reads,) in found.values():
-        if reads == 1:  # the write's own
+    for sid, (write, factory, value) in found.items():
+        if reads[sid] == 1:
             fills[id(write)] = write
             allocated[id(factory)] = {value.index: value}
     return fills, allocated

@@ -41,7 +41,7 @@ from .generators import committed_then_handed_over, records_of
 from .graphcheck import check_graph
 from .progress import start_progress
 from .replay import Replay
-from .swap import Swaps, dress
+from .swap import Swaps, dress, dress_leaf
 
 
 def materialize(targets, *, device=None, inference: bool = False, progress=False, counted=None,
@@ -191,7 +191,13 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
 def _dressed(group, reals, inference, binder, retaken=()) -> list:
     """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
     pairs = []
+    # Most tensors are plain leaves made real as plain tensors (not views, no
+    # graph, not inference): nothing to check, dressed at once.
+    leaves = binder is None and not inference and not torch.is_inference_mode_enabled()
     for i, ((name, fake), real) in enumerate(zip(group, reals)):
+        if leaves and not fake._is_view() and not real._is_view() and fake.grad_fn is None and not fake.is_inference():
+            pairs.append((fake, dress_leaf(fake, real)))
+            continue
         made = binder.made_for(fake) if binder is not None else None
         if made is not None:
             if not same_memory(made, real):
