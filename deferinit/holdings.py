@@ -148,7 +148,7 @@ def _visit(item_name, value, depth, found, seen):
 
 def _attrs(owner_name, owner, depth, found, seen):
     d = getattr(owner, "__dict__", None)
-    if type(d) is not dict:
+    if type(d) is not dict or d.keys() <= INTERNAL_ATTRS:  # a fake's own bookkeeping only: most tensors
         return
     for key, value in list(d.items()):
         if key not in INTERNAL_ATTRS and not isinstance(value, _SCALARS):
