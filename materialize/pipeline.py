@@ -34,7 +34,7 @@ from deferinit.plan import read_of
 
 from .errors import AutogradMaterializationError
 from .autograd import (
-    Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
+    Binder, deferred_leaves, fresh_reads, grad_fn_of, leaf_token, needs_graph, real_root_of, same_memory, view_again,
     with_fresh_graphs,
 )
 from .generators import committed_then_handed_over, records_of
@@ -72,7 +72,11 @@ def _run(hand, targets, device, inference, progress, counted, kept_deferred, wra
     """The steps (see :class:`~deferinit.materialize.generators.HandOver`); the
     fakes swapped out die with this frame."""
     # -- plan
-    graphs = any(needs_graph(fake) or real_root_of(fake) for _, fake in targets)
+    # A fake that is no view and has no grad_fn needs neither (most of them: asked first).
+    graphs = any(
+        (fake._is_view() or grad_fn_of(fake) is not None) and (needs_graph(fake) or real_root_of(fake))
+        for _, fake in targets
+    )
     binder = None
     if graphs and not inference:
         targets, binder = _with_leaves(targets, kept_deferred)
