@@ -7,7 +7,7 @@ import graphviz
 
 from deferinit.fake.opinfo import op_info
 
-from ..graph import Input, Node
+from ..ir.graph import Input, Node
 
 # Fill colours by category, and how the legend names them.
 STYLES = {
