@@ -1,4 +1,4 @@
-"""The liveness pass's lanes (deferinit/liveness.py) find what its general
+"""The liveness pass's lanes (deferinit/ir/liveness.py) find what its general
 backward scan finds: same nodes, same modes, same allocations, scratch and
 parts, on records where the lane applies and where something else touches
 the storage (a view, a tie, a second write, a load, a factory read twice);
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import deferinit.liveness as liveness
+import deferinit.ir.liveness as liveness
 from deferinit import deferred_init
-from deferinit.plan import Plan, read_of
+from deferinit.ir.plan import Plan, read_of
 from deferinit.materialize import materialize_module
 from helpers import assert_same_tensors
 
