@@ -126,6 +126,22 @@ def _one_output(op) -> bool:
     return found[1]
 
 
+# id(op) -> (op, overwrites() of a call of it that writes its first argument).
+_OVERWRITING: dict = {}
+
+
+def _overwrites(write) -> bool:
+    """:func:`~deferinit.ir.effects.overwrites` of a write of ``(0,)`` that reshapes nothing."""
+    if write.kind == "opaque":
+        return True
+    if write.kind != "op":
+        return False
+    found = _OVERWRITING.get(id(write.target))
+    if found is None:
+        found = _OVERWRITING[id(write.target)] = (write.target, overwrites(write))
+    return found[1]
+
+
 def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
     """The targets whose whole history is a factory call and then one write
     that covers its output without reading it (``empty`` then ``uniform_``),
@@ -148,12 +164,13 @@ def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
         flat = write.flat
         first = flat[0] if flat else None
         factory = value.node
+        # Cheapest questions first; allocatable() and _factory() inlined (once per tensor).
         found[sid] = (write, factory, value) if (
             type(first) is Input and first.value is value and first.version is None
-            and write.writes == (0,) and write.kind in ("op", "opaque") and not write.reshapes
-            and Input not in map(type, flat[1:]) and overwrites(write)
-            and factory.kind == "op" and _factory(factory) and _one_output(factory.target)
-            and 0 not in value.size and not real_read(inp) and allocatable(factory, {value.index: value})
+            and write.writes == (0,) and not write.reshapes and factory.kind == "op"
+            and not factory.writes and not factory.reshapes and value.offset == 0 and 0 not in value.size
+            and _one_output(factory.target) and _overwrites(write) and Input not in map(type, flat[1:])
+            and Input not in map(type, factory.flat) and not real_read(inp) and Region.of(value).dense
         ) else None
     found = {k: v for k, v in found.items() if v is not None}
     if not found:
