@@ -258,3 +258,131 @@ def test_fsdp2_rank_with_partial_loads(world, rank, keys, when, per_block):
         assert torch.equal(e_after, d_after), "generator state after materialization differs"
     finally:
         dist.destroy_process_group()
+
+
+# -- recorded for cuda (fake), materialized on cpu -----------------------------------
+
+class _Dev(nn.Module):
+    def __init__(self, device="cpu"):
+        super().__init__()
+        self.a = nn.Linear(3, 3, device=device)
+        self.b = nn.Linear(3, 3, device=device)
+        self.register_buffer("r", torch.rand(4, device=device))
+        self.c = nn.Linear(3, 3, device=device)
+        self.z = nn.Linear(2, 2, device=device)
+
+
+@pytest.mark.parametrize("order", ["all", "tensors"])
+@pytest.mark.parametrize("keys", [["a.weight"], ["b.weight", "b.bias", "r"], ["a.weight", "c.bias"]])
+def test_cuda_record_with_loads_on_cpu(keys, order):
+    torch.manual_seed(0)
+    eager = _Dev()
+    sd = {k: torch.full(v.shape, 0.5) for k, v in eager.state_dict().items() if k in keys}
+    eager.load_state_dict(sd, strict=False)
+    e_next = torch.rand(4)
+    torch.manual_seed(0)
+    d = deferred_init(_Dev, "cuda")
+    load_checkpoint(d, sd, strict=False)
+    if order == "tensors":
+        for name, t in list(d.named_parameters())[::-1] + list(d.named_buffers()):
+            materialize_tensor(t, device="cpu")
+    materialize_module(d, device="cpu")
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.rand(4), e_next)
+
+
+# -- loads and materialize_tensor interleaved -----------------------------------------
+
+def test_loads_between_materializations():
+    """A parameter materialized, then another loaded, then the rest: each step as eager."""
+    def build():
+        return nn.Sequential(*[nn.Linear(3, 3) for _ in range(4)], nn.Linear(2, 2))
+
+    torch.manual_seed(0)
+    eager = build()
+    eager.load_state_dict({"1.weight": torch.ones(3, 3), "3.bias": torch.ones(3)}, strict=False)
+    e_next = torch.rand(4)
+    torch.manual_seed(0)
+    d = deferred_init(build)
+    materialize_tensor(d[2].weight)
+    d.load_state_dict({"1.weight": torch.ones(3, 3)}, strict=False)
+    materialize_tensor(d[1].weight)
+    materialize_tensor(d[3].weight)
+    d.load_state_dict({"3.bias": torch.ones(3)}, strict=False)
+    materialize_module(d[0])
+    materialize_module(d)
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.rand(4), e_next)
+
+
+class _ReadFactory(nn.Module):
+    """The factory's output read before the covering write (the fill lane must not allocate it)."""
+
+    def __init__(self):
+        super().__init__()
+        t = torch.ones(3, 3)
+        self.register_buffer("twice", t * 2)
+        t.uniform_()
+        self.register_buffer("t", t)
+        u = torch.zeros(4)
+        self.register_buffer("alias", u[1:])
+        u.normal_()
+        self.register_buffer("u", u)
+        self.lin = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_factory_read_before_its_covering_write(order):
+    _compare(_ReadFactory, lambda m: None, order)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_factory_read_before_its_covering_write_with_loads(order):
+    _compare(_ReadFactory, _load_some(["t", "lin.weight"]), order)
+
+
+# -- reads of the generators' states inside the constructor ------------------------------
+
+class _States(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.register_buffer("state", torch.get_rng_state())
+        self.b = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("keys", [["a.weight", "a.bias"], ["state"], []])
+def test_default_generator_state_kept_in_a_buffer_with_loads(keys, order):
+    _compare(_States, _load_some(keys), order)
+
+
+class _ExplicitState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(3, generator=G))
+        self.register_buffer("gstate", G.get_state())
+        self.seed = G.initial_seed()
+
+
+@pytest.mark.xfail(strict=True, reason="found in review, before today: an explicit generator's get_state() "
+                   "inside a constructor answers the recorder's marker state (deferinit/random/record.py, "
+                   "_mark: manual_seed(gen, tag) after each draw); only the default generators' API is diverted")
+def test_explicit_generator_state_kept_in_a_buffer():
+    G.manual_seed(1)
+    eager = _ExplicitState()
+    G.manual_seed(1)
+    d = deferred_init(_ExplicitState)
+    materialize_module(d)
+    assert torch.equal(d.p, eager.p)
+    assert torch.equal(d.gstate, eager.gstate)
+
+
+@pytest.mark.xfail(strict=True, reason="found in review, before today: an explicit generator's initial_seed() "
+                   "inside a constructor answers the recorder's marker tag (deferinit/random/record.py, _mark)")
+def test_explicit_generator_initial_seed_inside_a_constructor():
+    G.manual_seed(1)
+    eager = _ExplicitState()
+    G.manual_seed(1)
+    d = deferred_init(_ExplicitState)
+    assert d.seed == eager.seed
