@@ -386,3 +386,36 @@ def test_explicit_generator_initial_seed_inside_a_constructor():
     G.manual_seed(1)
     d = deferred_init(_ExplicitState)
     assert d.seed == eager.seed
+
+
+# -- found by the fuzzer's long profile during the review ---------------------------------
+
+class _ViewRequiresGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        t1 = torch.zeros(3).neg()
+        t2 = t1.view(3)
+        t2.requires_grad_(True)  # the view itself, its base does not require grad
+        self.register_buffer("base", t1)
+        self.register_buffer("view", t2)
+
+
+@pytest.mark.xfail(strict=True, reason="found in review, before today (d78de73 too): a view retaken from its "
+                   "base materialized before it loses the requires_grad_(True) set on the view itself "
+                   "(materialize/swap.py dress(): retaken and real._is_view() -> real)")
+def test_requires_grad_set_on_a_view_whose_base_is_materialized_first():
+    eager = _ViewRequiresGrad()
+    d = deferred_init(_ViewRequiresGrad)
+    materialize_tensor(d.base)
+    materialize_tensor(d.view)
+    assert d.view.requires_grad == eager.view.requires_grad
+
+
+@pytest.mark.parametrize("order", ["module", "view first"])
+def test_requires_grad_set_on_a_view_in_other_orders(order):
+    eager = _ViewRequiresGrad()
+    d = deferred_init(_ViewRequiresGrad)
+    if order == "view first":
+        materialize_tensor(d.view)
+    materialize_module(d)
+    assert_same_tensors(eager, d)
