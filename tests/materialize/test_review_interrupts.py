@@ -1,0 +1,113 @@
+"""Review attack: a KeyboardInterrupt at the lines of the jump branch's new
+code paths (liveness's fill lane, the plan with loads, plain-leaf dressing)
+while materializing leaves the module all deferred with the generators as
+they were (or, after the commit, all real), and a second call gives eager's
+values and generators; every STEP-th line those functions execute is hit in turn."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from deferinit import deferred_init, is_deferred
+from deferinit.materialize import load_checkpoint, materialize_module
+from helpers import assert_same_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The functions whose lines are interrupted, by file.
+WATCHED = {
+    os.path.join(ROOT, "deferinit", "ir", "liveness.py"): {"_filled", "_one_output", "_overwrites", "drawing"},
+    os.path.join(ROOT, "deferinit", "ir", "plan.py"): {"_plan", "_streams_of", "_mark_planned"},
+    os.path.join(ROOT, "materialize", "pipeline.py"): {"_dressed"},
+    os.path.join(ROOT, "materialize", "swap.py"): {"dress_leaf", "_leaf"},
+}
+G = torch.Generator()
+# Every STEP-th line those functions execute (about 400 and 700 in all): each
+# trial builds and materializes twice under a trace function, and every line
+# would take 5 s a test.
+STEP = 4
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.p = nn.Parameter(torch.randn(4, generator=G))
+        self.register_buffer("r", torch.empty(4).uniform_())
+        self.b = nn.Linear(3, 2)
+
+
+class _AtLine:
+    def __init__(self, k):
+        self.k, self.count = k, 0
+
+    def __call__(self, frame, event, arg):
+        names = WATCHED.get(frame.f_code.co_filename)
+        if names is not None and frame.f_code.co_name in names:
+            return self._line
+        return None
+
+    def _line(self, frame, event, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.k:
+                sys.settrace(None)
+                raise KeyboardInterrupt(f"line {frame.f_code.co_filename}:{frame.f_lineno}")
+        return self._line
+
+
+def _loads(m):
+    load_checkpoint(m, {"a.weight": torch.full((3, 3), 0.5), "r": torch.ones(4)}, strict=False)
+
+
+@pytest.mark.parametrize("load", [False, True], ids=["plain", "with_loads"])
+def test_an_interrupt_at_each_line_of_the_new_paths(load):
+    def build():
+        torch.manual_seed(0)
+        G.manual_seed(1)
+        m = Net()
+        if load:
+            m.load_state_dict({"a.weight": torch.full((3, 3), 0.5), "r": torch.ones(4)}, strict=False)
+        return m
+
+    eager = build()
+    e_state, e_g = torch.get_rng_state(), G.get_state()
+    k, hit = 1, 0
+    while True:
+        torch.manual_seed(0)
+        G.manual_seed(1)
+        d = deferred_init(Net)
+        if load:
+            _loads(d)
+        before, g_before = torch.get_rng_state(), G.get_state()
+        tracer = _AtLine(k)
+        interrupted = False
+        sys.settrace(tracer)
+        where = None
+        try:
+            materialize_module(d)
+        except KeyboardInterrupt as e:
+            interrupted = True
+            where = str(e)
+        finally:
+            sys.settrace(None)
+        if not interrupted:
+            break
+        hit += 1
+        held = dict(d.named_parameters(), **dict(d.named_buffers()))
+        deferred_now = {n: is_deferred(t) for n, t in held.items()}
+        if all(deferred_now.values()):
+            assert torch.equal(torch.get_rng_state(), before) and torch.equal(G.get_state(), g_before), where
+        else:
+            assert not any(deferred_now.values()), f"half materialized after an interrupt at {where}: {deferred_now}"
+        materialize_module(d)
+        assert_same_tensors(eager, d)
+        assert torch.equal(torch.get_rng_state(), e_state) and torch.equal(G.get_state(), e_g), k
+        k += STEP
+    assert hit > 20, hit  # the watched functions were reached
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.get_rng_state(), e_state) and torch.equal(G.get_state(), e_g)
