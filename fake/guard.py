@@ -31,7 +31,6 @@ point, inside unrelated work.
 
 from __future__ import annotations
 
-import functools
 import gc
 
 import torch
@@ -197,30 +196,6 @@ def _rebuild(wanted: list, length, at, pop, push) -> bool:
     for mode in wanted[common:]:
         push(mode)
     return True
-
-
-def guarded(fn):
-    """``fn`` as a public call: on any ``BaseException`` the calling thread is put
-    back as it was (see :class:`Entry`), then the exception goes on.
-
-    Example::
-
-        >>> @guarded
-        ... def interrupted():
-        ...     torch._C._set_grad_enabled(False)
-        ...     raise KeyboardInterrupt
-        >>> try:
-        ...     interrupted()
-        ... except KeyboardInterrupt:
-        ...     torch.is_grad_enabled()
-        True
-    """
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return undoing(Entry().restore, fn, *args, **kwargs)
-
-    return call
 
 
 def undoing(undo, fn, /, *args, **kwargs):
