@@ -1,14 +1,6 @@
 """The ``deferinit`` command line (also ``python -m deferinit``).
 
-Four commands::
-
-    deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config FILE|DIR|MODEL_ID]
-                     [--device D] [--dtype T] [--shard N]
-    deferinit graph   TARGET [ARG ...] [...] -o FILE [--module M] [--depth N] [--expand]
-    deferinit plan    TARGET [ARG ...] [...] --batch BxS | --input SHAPE [--shard N] [--mixed-precision bf16]
-                     [--checkpointing] [--accumulate N] [--optimizer NAME] [--memory-timeline FILE.svg]
-    deferinit demo    [--size 70b|tiny] [--seed S] [-o FILE]
-
+``inspect``, ``graph``, ``plan`` and ``demo`` (docs/cli.md; ``--help``).
 ``TARGET`` is ``module:callable`` (``torch.nn:Transformer``,
 ``transformers:LlamaForCausalLM``, ``my_models.py:build``); ``ARG`` and the
 values of ``-k`` are Python literals (a bare word is a string).  The model is

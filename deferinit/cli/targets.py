@@ -25,7 +25,6 @@ from .config import DTYPES, config_dtype, configured_callable, load_config, sign
 from .errors import ConstructorError, TargetError, UsageError, one_line
 
 
-
 def load_target(spec: str):
     """The callable ``spec`` names: ``module:attr.path`` or ``file.py:attr.path``.
 
