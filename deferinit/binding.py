@@ -15,7 +15,7 @@ import torch
 from deferinit.fake.tensor import FakeTensor, describe
 
 from .errors import RecordingError
-from .graph import Storage, Value
+from .ir.graph import Storage, Value
 
 
 def attach(fake: FakeTensor, record, value: Value, storage: Storage) -> FakeTensor:

@@ -33,10 +33,10 @@ from deferinit.fake.extent import extent
 from deferinit.fake.opinfo import bind
 from deferinit.fake.tensor import FakeTensor
 
-from .effects import root_value
+from .ir.effects import root_value
 from .errors import RecordingError
-from .graph import Input
-from .regions import Region
+from .ir.graph import Input
+from .ir.regions import Region
 from .random.rng import SAME, SEED
 
 # Operator namespaces of collectives (ProcessGroup ops and functional collectives).

@@ -29,7 +29,7 @@ from deferinit.fake.opinfo import op_info
 from deferinit.fake.state import current_intended_device
 from deferinit.fake.tensor import FakeTensor, make_fake
 
-from .graph import Input, Node, Storage, Value
+from .ir.graph import Input, Node, Storage, Value
 from .random.rng import key_of_generator
 
 aten = torch.ops.aten

@@ -2,7 +2,7 @@
 
 Replay recomputes eager's autograd graph (materialize/autograd.py) from
 facts recorded per call: which inputs were leaves requiring grad (shared
-:class:`~deferinit.graph.Leaf` markers, so that one leaf read by several calls
+:class:`~deferinit.ir.graph.Leaf` markers, so that one leaf read by several calls
 is one tensor again) and which were fakes not requiring grad (``t.data``);
 for views, the base object and its version counter; for writes, which
 tensors written required no grad or were ``t.data``.  Also the
@@ -17,7 +17,7 @@ import torch
 from deferinit.fake.flat import flatten
 from deferinit.fake.tensor import FakeTensor
 
-from .graph import Input, Leaf, Node
+from .ir.graph import Input, Leaf, Node
 
 _SET = torch.ops.aten.set_.source_Tensor
 _grad_enabled = torch.is_grad_enabled
@@ -40,7 +40,7 @@ def _is_leaf(x: FakeTensor) -> bool:
 
 
 def note_autograd(node: Node, info, flat, args, kwargs) -> None:
-    """Note on ``node`` what autograd saw of its call (see :class:`deferinit.graph.AutogradFacts`)."""
+    """Note on ``node`` what autograd saw of its call (see :class:`deferinit.ir.graph.AutogradFacts`)."""
     grad_mode = _grad_enabled()
     if info.view_arg is not None:
         # Autograd marks every view with the grad mode it was taken in
@@ -102,7 +102,7 @@ def autograd_reads(flat, view: bool = False):
     The base of a view, when it is a tensor of its own (no view) that does
     not require grad now, is named by its ``Leaf`` too: the view's
     ``requires_grad`` follows that object's, and a ``requires_grad_`` on it
-    may come later (see :meth:`deferinit.graph.Leaf.changed`)."""
+    may come later (see :meth:`deferinit.ir.graph.Leaf.changed`)."""
     entries = []
     requires = False
     for i, x in enumerate(flat):
@@ -138,7 +138,7 @@ def requires_grad_changed(x: FakeTensor) -> None:
 def view_versions(flat) -> tuple:
     """``(position, version)`` of the fake views a call autograd saw reads: a
     view's ``grad_fn`` is regenerated once its version moved on since it was
-    taken (:attr:`deferinit.graph.AutogradFacts.base_version`)."""
+    taken (:attr:`deferinit.ir.graph.AutogradFacts.base_version`)."""
     return tuple(
         (i, x._version) for i, x in enumerate(flat)
         if isinstance(x, FakeTensor) and x._is_view() and not x.is_inference()

@@ -2,8 +2,8 @@
 
 It extends the plain fake handler of :mod:`deferinit.fake.dispatch`.  Every operator
 that touches a recorded fake (or runs inside ``deferred_init``) becomes a
-:class:`~deferinit.graph.Node`; its fresh outputs get a
-:class:`~deferinit.graph.Value` on a new storage, or on their base's storage
+:class:`~deferinit.ir.graph.Node`; its fresh outputs get a
+:class:`~deferinit.ir.graph.Value` on a new storage, or on their base's storage
 for views; the tensors it writes move their storage's head to it.
 """
 
@@ -31,7 +31,7 @@ from .random.realdraws import draw_real
 from .plain import copied, dispatches_itself, holds_values
 from .binding import attach, check_storage_not_real, is_deferred_fake  # noqa: F401 (re-exported)
 from .grad import data_node, grad_fn_of, note_autograd, note_set_with_grad, note_writes, requires_grad_changed
-from .graph import Input, Node, Storage, Value
+from .ir.graph import Input, Node, Storage, Value
 from .random.record import current_record
 from .random.rng import stream_key
 from .where import constructing, library_call

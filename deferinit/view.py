@@ -15,9 +15,9 @@ import torch
 
 from deferinit.fake.flat import unflatten
 
-from .graph import Input, Node
+from .ir.graph import Input, Node
 from .recorder import is_deferred_fake
-from .plan import Plan, read_of
+from .ir.plan import Plan, read_of
 from .text import tensor_text
 from .holdings import module_tensors
 from .wrappers import inner_tensors

@@ -5,7 +5,7 @@ not a leaf: its ``grad_fn`` leads to ``w``, and ``backward()`` puts the
 gradient on ``w``.  The fakes know this (autograd runs above the Fake layer,
 so a fake has the ``grad_fn`` its eager twin has), and the record knows
 which calls autograd saw and which leaf objects they read
-(``Node.autograd.grad``, :class:`deferinit.graph.Leaf`).  Replay runs those calls
+(``Node.autograd.grad``, :class:`deferinit.ir.graph.Leaf`).  Replay runs those calls
 with grad enabled on the very leaf objects that will be swapped into the
 fakes (:class:`Binder` makes them, dressed, when first read), so the real
 tensor gets the same graph on the same leaves (the calls themselves run in
@@ -23,15 +23,15 @@ import itertools
 
 import torch
 
-from deferinit.graph import FreshRead, Input
-from deferinit.plan import real_read
+from deferinit.ir.graph import FreshRead, Input
+from deferinit.ir.plan import real_read
 from deferinit.recorder import is_deferred_fake
 from deferinit.fake.opinfo import op_info
 from deferinit.fake.tensor import FakeTensor
 
 
 def leaf_token(t: torch.Tensor):
-    """The :class:`deferinit.graph.Leaf` of a fake leaf (None if autograd never read it)."""
+    """The :class:`deferinit.ir.graph.Leaf` of a fake leaf (None if autograd never read it)."""
     return t.__dict__.get("_leaf") if isinstance(t, FakeTensor) else None
 
 

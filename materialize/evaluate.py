@@ -19,7 +19,7 @@ from deferinit.fake.device import exists
 from deferinit.fake.locking import locked
 from deferinit.fake.tensor import describe
 
-from deferinit.plan import DeviceMap
+from deferinit.ir.plan import DeviceMap
 from deferinit.random.streams import replay_streams, state_before, walk_back
 
 from .replay import Replay, read_of

@@ -27,8 +27,8 @@ import sys
 import traceback
 
 from deferinit.errors import MaterializationError
-from deferinit.liveness import hidden_by_load
-from deferinit.plan import DeviceMap
+from deferinit.ir.liveness import hidden_by_load
+from deferinit.ir.plan import DeviceMap
 from deferinit.random.record import FOREIGN, LINEAGE
 from deferinit.random.rng import generator_of, get_state, initialized_generators, same_state
 from deferinit.random.seeding import release_if_moot

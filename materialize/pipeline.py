@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from deferinit.plan import read_of
+from deferinit.ir.plan import read_of
 
 from .errors import AutogradMaterializationError
 from .autograd import (

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from deferinit.liveness import GENERATOR
+from deferinit.ir.liveness import GENERATOR
 from deferinit.text import fmt_bytes, fmt_seconds, plural
 
 # Seconds between two refreshes of the display.

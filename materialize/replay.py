@@ -1,9 +1,9 @@
 """The interpreter: replays the part of a record that some tensors need.
 
 In the spirit of ``torch.fx.Interpreter``: one class, holding its plan
-(:class:`deferinit.plan.Plan` chose the nodes), one loop over the planned
+(:class:`deferinit.ir.plan.Plan` chose the nodes), one loop over the planned
 nodes in recorded order, and ``run_node`` dispatching on how the plan runs
-the node (``alloc``, ``direct``: see :mod:`deferinit.liveness`) or else on
+the node (``alloc``, ``direct``: see :mod:`deferinit.ir.liveness`) or else on
 its kind (``op``, ``opaque``, ``external``, ``constant``, ``load``) to a
 method of the same class; each value is freed at its last use.
 Random nodes draw from the state their generator had eagerly, on private
@@ -39,9 +39,9 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import MaterializationError, ReplayError
-from deferinit.graph import Input, Node
-from deferinit.liveness import ALLOC, DIRECT, GENERATOR, RUN
-from deferinit.plan import Plan, real_read, read_of
+from deferinit.ir.graph import Input, Node
+from deferinit.ir.liveness import ALLOC, DIRECT, GENERATOR, RUN
+from deferinit.ir.plan import Plan, real_read, read_of
 from deferinit.fake.device import exists
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.gradmode import below_autograd
@@ -66,7 +66,7 @@ _set_creation_meta = torch._C._autograd._set_creation_meta
 class Replay:
     """One replay: the closure of some reads, executed in recorded order.
 
-    Holds its :class:`~deferinit.plan.Plan` (``plan``: the nodes, their
+    Holds its :class:`~deferinit.ir.plan.Plan` (``plan``: the nodes, their
     modes, the random streams) and, while it runs, the values computed so
     far (``env``), the views of memory already real (``real_views``), the
     draws (``draws``, :class:`~deferinit.materialize.draws.Draws`) and the
@@ -219,7 +219,7 @@ class Replay:
         return results
 
     def run_node(self, node: Node, wanted) -> None:
-        """Run one planned node: as its mode says (:mod:`deferinit.liveness`), else as
+        """Run one planned node: as its mode says (:mod:`deferinit.ir.liveness`), else as
         its kind says; ``wanted``: the positions of its outputs read later."""
         mode = self.plan.mode(node)
         if mode != RUN:
@@ -231,7 +231,7 @@ class Replay:
                 return None  # jumped over: nothing drawn
         return _BY_KIND[node.kind](self, node, wanted)
 
-    # -- nodes run otherwise than recorded (see deferinit/liveness.py) ------------
+    # -- nodes run otherwise than recorded (see deferinit/ir/liveness.py) ------------
 
     def alloc(self, node: Node, wanted) -> None:
         """Outputs whose contents later writes overwrite: allocated, not computed."""

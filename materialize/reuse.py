@@ -28,8 +28,8 @@ import sys
 
 import torch
 
-from deferinit.graph import Input
-from deferinit.plan import real_read
+from deferinit.ir.graph import Input
+from deferinit.ir.plan import real_read
 
 _use_count = torch._C._storage_Use_Count
 _VARIANTS: dict = {}

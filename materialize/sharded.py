@@ -32,7 +32,7 @@ import torch
 
 from deferinit.fake.extent import extent_of
 from deferinit.holdings import module_tensors
-from deferinit.plan import closure, read_of
+from deferinit.ir.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
 from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
 

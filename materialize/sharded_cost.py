@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from deferinit.graph import Input
+from deferinit.ir.graph import Input
 from deferinit.view import deferred_tensors
 from deferinit.fake.opinfo import op_info
 

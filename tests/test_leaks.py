@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init
-from deferinit.graph import Input, Node, Storage, Value
+from deferinit.ir.graph import Input, Node, Storage, Value
 from deferinit.random.record import Record
 from deferinit.random.streams import Stream
 from deferinit.fake import FakeTensor

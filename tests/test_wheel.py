@@ -25,7 +25,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDERS = {"deferinit": "deferinit", "fake": "deferinit/fake", "materialize": "deferinit/materialize"}
 SUBPACKAGES = {"deferinit", "deferinit.fake", "deferinit.materialize", "deferinit.materialize.checkpoint",
-               "deferinit.cli", "deferinit.dot", "deferinit.random", "deferinit.planning"}
+               "deferinit.cli", "deferinit.dot", "deferinit.ir", "deferinit.random", "deferinit.planning"}
 
 
 def _source_modules() -> set[str]:

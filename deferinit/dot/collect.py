@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..graph import Input, Node
-from ..plan import read_of
+from ..ir.graph import Input, Node
+from ..ir.plan import read_of
 from ..wrappers import inner_tensors
 from ..text import dtype_name
 from ..view import Graph, data_closure, deferred_tensors, op_name, record_base

@@ -10,7 +10,7 @@ import torch
 from deferinit.fake.flat import unflatten
 from deferinit.fake.opinfo import op_info
 
-from ..graph import Input, Node
+from ..ir.graph import Input, Node
 from ..text import dtype_name, tensor_text
 from ..view import op_name
 

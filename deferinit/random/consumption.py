@@ -48,8 +48,8 @@ import torch
 from deferinit.fake.flat import unflatten
 from deferinit.fake.opinfo import bind
 
-from ..effects import contiguous
-from ..graph import Input
+from ..ir.effects import contiguous
+from ..ir.graph import Input
 
 aten = torch.ops.aten
 

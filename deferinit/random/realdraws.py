@@ -41,7 +41,7 @@ import torch
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.flat import flatten
 
-from ..graph import Input, Node
+from ..ir.graph import Input, Node
 from .record import FOREIGN
 from .rng import default_generator, get_state, scratch_generator, set_state, stream_key
 

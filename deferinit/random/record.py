@@ -26,7 +26,7 @@ import torch
 from deferinit.fake.guard import register
 from deferinit.fake.locking import holding, locked
 
-from ..graph import event_seq, peek_seq
+from ..ir.graph import event_seq, peek_seq
 from .rng import (
     CPU, CPU_GENERATOR, OBSERVED, SAME, SEED, SET, GeneratorKey, current_seed, fingerprint, generator_of,
     get_state, gettable, initialized_generators, new_tag, seeded_state, set_state,

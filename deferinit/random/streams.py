@@ -3,7 +3,7 @@
 Recording draws nothing.  Each random node is appended to the *stream* of
 the generator it would have drawn from (:func:`deferinit.random.rng.stream_key`),
 and replay rebuilds the state before any draw from the nearest state it
-knows, re-running the draws in between (see :mod:`deferinit.plan`).
+knows, re-running the draws in between (see :mod:`deferinit.ir.plan`).
 
 What a stream knows, position by position (position ``k`` is "right before
 draw ``k``"; ``len(nodes)`` is the end):
@@ -40,7 +40,7 @@ import torch
 from deferinit.fake.device import normalize
 
 from ..errors import ReplayError
-from ..graph import event_seq
+from ..ir.graph import event_seq
 from .rng import OBSERVED, SAME, SEED, SET, generator_of, gettable, seed_of_state, seeded_state
 
 

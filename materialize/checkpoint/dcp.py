@@ -37,7 +37,7 @@ from typing import NamedTuple
 
 import torch
 
-from deferinit.boxes import as_box, intersect, slab
+from deferinit.ir.boxes import as_box, intersect, slab
 
 from .errors import CheckpointError
 from .archive import ArchiveError, Record, layout, read_archive

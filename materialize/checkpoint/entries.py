@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from deferinit.boxes import contiguous_strides  # noqa: F401 (re-exported)
+from deferinit.ir.boxes import contiguous_strides  # noqa: F401 (re-exported)
 
 from .errors import CheckpointError, CheckpointReadError
 

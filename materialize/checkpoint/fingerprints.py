@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from deferinit.boxes import unravel
+from deferinit.ir.boxes import unravel
 
 SAMPLES = 64
 FULL_BYTES = 1 << 16

@@ -3,7 +3,7 @@
 A deferred tensor gets a *load node*: a write of its whole value, whose
 payload is the checkpoint entry.  It hides every earlier write to the
 tensor (its initialisation), and replay reads the file then, only the
-parts that are read (see :mod:`deferinit.liveness`).  A sharded tensor
+parts that are read (see :mod:`deferinit.ir.liveness`).  A sharded tensor
 (a DTensor, from ``fully_shard``, ``distribute_tensor`` or
 ``parallelize_module``) gets the load of the block its placements give this
 rank, so each rank reads its own rows only.  A real tensor is loaded from
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import RecordingError
-from deferinit.graph import Input, Node
+from deferinit.ir.graph import Input, Node
 from deferinit.recorder import check_storage_not_real, is_deferred_fake
 from deferinit.fake import is_fake
 from deferinit.fake.flat import flatten

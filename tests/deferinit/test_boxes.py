@@ -1,4 +1,4 @@
-"""deferinit/boxes.py against PyTorch's own views: a strided piece of a tensor is
+"""deferinit/ir/boxes.py against PyTorch's own views: a strided piece of a tensor is
 recognised as a block of its indices exactly when it is one, in order."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from deferinit.boxes import as_box, intersect, slab
+from deferinit.ir.boxes import as_box, intersect, slab
 
 
 def _block(t, start, sizes):

@@ -5,9 +5,9 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init
-from deferinit.graph import NOTHING_SEEN, AutogradFacts, Input
-from deferinit.liveness import hidden_by_load
-from deferinit.plan import Plan, read_of
+from deferinit.ir.graph import NOTHING_SEEN, AutogradFacts, Input
+from deferinit.ir.liveness import hidden_by_load
+from deferinit.ir.plan import Plan, read_of
 
 
 def _nodes(*fakes):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deferinit import DataDependentError, InferenceTensorInputError, MixedFakeError, deferred_init, graph_of, is_deferred
-from deferinit.graph import Input, Node, Storage, Value
+from deferinit.ir.graph import Input, Node, Storage, Value
 from deferinit.fake import fake_mode, is_fake
 from helpers import assert_same_tensors, check_exact
 from deferinit.materialize import materialize_module, materialize_tensor

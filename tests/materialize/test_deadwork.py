@@ -1,4 +1,4 @@
-"""Dead-work elimination (deferinit/liveness.py): replay computes only what the
+"""Dead-work elimination (deferinit/ir/liveness.py): replay computes only what the
 values read and the generator states depend on, and equals eager construction.
 
 Every test compares against eager construction with the same seed (values and
@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from deferinit import deferred_init
-from deferinit.plan import Plan, read_of
+from deferinit.ir.plan import Plan, read_of
 from helpers import assert_same_tensors, check_jump_models
 from deferinit.materialize import materialize_module, materialize_tensor
 

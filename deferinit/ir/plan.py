@@ -12,7 +12,7 @@ Shared by the interpreter (:mod:`deferinit.materialize.replay`), the printed gra
   earlier state and it are planned too (their results are thrown away).
 * **Devices.**  A :class:`DeviceMap` maps every recorded device to another
   one; draws recorded for several devices then come from one generator.
-* **Dead work.**  Of all that, :mod:`deferinit.liveness` keeps what the
+* **Dead work.**  Of all that, :mod:`deferinit.ir.liveness` keeps what the
   values read and the generator states of the live draws depend on: writes
   that later writes hide are dropped, tensors whose contents are all
   overwritten are only allocated, and draws needed only for the state they
@@ -33,10 +33,10 @@ import torch
 
 from deferinit.fake.device import normalize
 
-from .errors import ReplayError
+from ..errors import ReplayError
 from .graph import FreshRead, Input, Node, version_seq
 from .liveness import RUN, Liveness
-from .random.streams import ReplayStream, Stream, replay_streams
+from ..random.streams import ReplayStream, Stream, replay_streams
 
 
 class DeviceMap:
@@ -122,7 +122,7 @@ class Plan:
         self.device_map = DeviceMap(device)
         self.streams: dict = {}
         self.order: list[Node] = []
-        # Dead-work elimination (deferinit/liveness.py); False plans the whole
+        # Dead-work elimination (deferinit/ir/liveness.py); False plans the whole
         # record as written (the graph views show it so).
         self.eliminate = eliminate
         self.liveness: Liveness | None = None
@@ -167,7 +167,7 @@ class Plan:
         self.order = self.liveness.order
 
     def mode(self, node: Node) -> str:
-        """How the replay runs ``node``: ``"run"``, or see :mod:`deferinit.liveness`."""
+        """How the replay runs ``node``: ``"run"``, or see :mod:`deferinit.ir.liveness`."""
         return self.liveness.mode(node) if self.liveness is not None else RUN
 
     def reads(self, node: Node) -> list[Input]:

@@ -2,7 +2,7 @@
 
 A :class:`Region` is the set of bytes a strided view addresses in its
 storage: an offset, sizes and strides in bytes, and the width of one
-element.  The liveness pass (:mod:`deferinit.liveness`) asks three
+element.  The liveness pass (:mod:`deferinit.ir.liveness`) asks three
 questions of regions, and each answer errs on the safe side:
 
 * ``intersects``: whether two regions may share a byte (byte ranges overlap);

@@ -27,7 +27,7 @@ only those, with the ``extra`` draws a caller asks for to learn a stream's
 end) are replayed **for the generator**: in-place fills draw into scratch
 memory of the same geometry, freed at once.  Dead draws that a *load* hides
 (a checkpoint load, or a ``copy_`` from a real tensor made after deferral,
-as ``load_state_dict`` makes: :func:`~deferinit.effects.is_load`) are
+as ``load_state_dict`` makes: :func:`~deferinit.ir.effects.is_load`) are
 remembered in this pass's own table (:func:`hidden_by_load`; the graph
 holds no analysis results): :mod:`deferinit.materialize.generators` does not
 replay them to reach the end of a stream.
@@ -38,7 +38,7 @@ analysed: their reads need their whole history, as before.
 
 Example::
 
-    >>> from deferinit.plan import Plan, read_of
+    >>> from deferinit.ir.plan import Plan, read_of
     >>> m = deferred_init(torch.nn.Linear, 2, 3)
     >>> with torch.no_grad():
     ...     _ = m.weight.fill_(1.0)         # hides the uniform_ of reset_parameters

@@ -101,7 +101,7 @@ class Node:
     ``flat``/``spec`` are the flattened ``(args, kwargs)`` with
     :class:`Input` in place of tensors.  ``autograd`` is what autograd saw of
     the call (:class:`AutogradFacts`).  Analyses keep what they find in
-    tables of their own, not on the node (see :mod:`deferinit.liveness`).
+    tables of their own, not on the node (see :mod:`deferinit.ir.liveness`).
     """
 
     # No __slots__: the fields most nodes leave at their default are class

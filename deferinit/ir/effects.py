@@ -1,4 +1,4 @@
-"""What a recorded node does to memory, for the liveness pass (:mod:`deferinit.liveness`).
+"""What a recorded node does to memory, for the liveness pass (:mod:`deferinit.ir.liveness`).
 
 Which writes cover their tensor without reading it, which inputs only lend
 their geometry, where a storage comes from, and the two ways a checkpoint
@@ -69,7 +69,7 @@ def is_load(node) -> bool:
     real tensor recorded then (``load_state_dict``'s ``param.copy_(input)``,
     or any such copy).  The draws such a write hides are the initialization
     it replaces: the generators do not wait for them (see
-    :mod:`deferinit.liveness`).  A copy made while constructing is part of
+    :mod:`deferinit.ir.liveness`).  A copy made while constructing is part of
     construction, not a load.
 
     Example::
