@@ -45,7 +45,6 @@ MODULES = [
     "deferinit.plain",
     "deferinit.ir.liveness",
     "deferinit.random.mt19937",
-    "deferinit.random.consumption",
     "deferinit.random.jumps",
     "deferinit.random.streams",
     "deferinit.text",
