@@ -115,7 +115,7 @@ def child(case: str, mode: str, quick: bool) -> dict:
     import torch
 
     from deferinit import deferred_init
-    from deferinit.random.consumption import FALLBACKS
+    from deferinit.random.jumps import FALLBACKS
     from deferinit.materialize import materialize_module
 
     torch.set_num_threads(1)

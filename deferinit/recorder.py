@@ -435,10 +435,7 @@ def _has_fake(args, kwargs) -> bool:
 
 
 def _has_tensor(flat) -> bool:
-    for x in flat:
-        if isinstance(x, torch.Tensor):
-            return True
-    return False
+    return any(isinstance(x, torch.Tensor) for x in flat)
 
 
 def _record_of(args, kwargs):

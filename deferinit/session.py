@@ -217,12 +217,7 @@ def is_deferred(obj) -> bool:
     if isinstance(obj, torch.Tensor):
         return is_deferred_fake(obj) or deferred_inside(obj)
     if isinstance(obj, torch.nn.Module):
-        return any(is_deferred(t) for t in _tensors(obj))
+        return any(is_deferred(t) for _, t, _, _ in module_tensors(obj))
     raise ValueError(
         f"is_deferred() expects a tensor or an nn.Module, got {type(obj).__name__}"
     )
-
-
-def _tensors(module: torch.nn.Module):
-    for _, t, _, _ in module_tensors(module):
-        yield t

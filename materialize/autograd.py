@@ -1,19 +1,13 @@
 """Eager's autograd graph for tensors computed from parameters.
 
-``self.register_buffer("w2", self.w * 2)`` gives, eagerly, a tensor that is
-not a leaf: its ``grad_fn`` leads to ``w``, and ``backward()`` puts the
-gradient on ``w``.  The fakes know this (autograd runs above the Fake layer,
-so a fake has the ``grad_fn`` its eager twin has), and the record knows
-which calls autograd saw and which leaf objects they read
-(``Node.autograd.grad``, :class:`deferinit.ir.graph.Leaf`).  Replay runs those calls
-with grad enabled on the very leaf objects that will be swapped into the
-fakes (:class:`Binder` makes them, dressed, when first read), so the real
-tensor gets the same graph on the same leaves (the calls themselves run in
-:class:`deferinit.materialize.replay.Replay`).  A leaf's ``requires_grad`` changes while
-recording are replayed at their place (:meth:`Binder.advance`): a view
-follows its base's flag.  :func:`deferinit.materialize.graphcheck.check_graph` then
-compares the real graph with the fake one, node by node, before anything is
-swapped in: what cannot match raises ``AutogradMaterializationError``.
+``self.register_buffer("w2", self.w * 2)`` is, eagerly, no leaf: its
+``grad_fn`` leads to ``w``.  Replay runs the calls autograd saw
+(``Node.autograd.grad``) with grad enabled on the very leaf objects that
+will be swapped into the fakes (:class:`Binder` makes them when first read),
+so the real tensor gets eager's graph on the same leaves; a leaf's
+``requires_grad`` changes are replayed at their place
+(:meth:`Binder.advance`).  docs/design.md ("Autograd") has the whole story;
+:mod:`deferinit.materialize.graphcheck` compares the graphs before the swap.
 """
 
 from __future__ import annotations

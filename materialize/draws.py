@@ -1,31 +1,21 @@
 """Random nodes in a replay: each draws from a private generator put in the state
 its generator had eagerly.
 
-A private generator of the same kind, in the same state, draws the same
-numbers as the user's, so replay never touches a generator anyone else can
-see: not the default generators, which other threads share, nor an explicit
-one the user passed.  Operators that take no ``generator`` argument (and
-have no overload that does, as ``randn`` has ``randn.generator``) are the
-exception: they draw from the device's default generator, whose state is
-put back when the replay ends.  :mod:`deferinit.materialize.generators` decides
-afterwards whether a real generator is moved to where eager construction
-left it.
-
-On a CPU generator, a draw replayed only for the state it leaves is not
-drawn: the generator jumps over it (:mod:`deferinit.random.jumps`), and a draw of
-which the replay needs only a part (a shard's rows) draws only that part,
-when the kernel's count and layout are known exactly
-(:mod:`deferinit.random.consumption`); other draws are generated, as on CUDA,
-whose Philox generator is not jumped.
+Replay never touches a generator anyone else can see, except for
+operators with no ``generator`` argument (nor an overload with one, as
+``randn.generator``): they borrow the device's default generator, put back
+when the replay ends.  On a CPU generator, a draw replayed only for the
+state it leaves is jumped over, and one of which only a part (a shard's
+rows) is needed draws only that part (:mod:`deferinit.random.jumps`); other
+draws are generated, as on CUDA.
 """
 
 from __future__ import annotations
 
 import torch
 
-from deferinit.random.consumption import fallback
 from deferinit.fake.bypass import no_python_dispatch
-from deferinit.random.jumps import Cursor, checked, draw_part
+from deferinit.random.jumps import FALLBACKS, Cursor, checked, draw_part
 from deferinit.random.realdraws import with_generator
 from deferinit.random.record import FOREIGN
 from deferinit.random.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
@@ -87,7 +77,7 @@ class Draws:
             return False
         c = checked(node)
         if c is None:
-            fallback(node)
+            FALLBACKS[node.name] += 1
             self.stats["generated"] += 1
             return False
         index = rs.index[id(node)]

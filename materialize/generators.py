@@ -1,24 +1,14 @@
 """Leaving the generators where eager construction would have left them.
 
-Deferral draws nothing, so after ``deferred_init`` every generator is where
-the constructor left it, its draws apart.  Once a materialization knows the
-state a stream ended in, that stream's generator is moved there, provided
-nothing moved it since deferral: it still holds the state recording left it
-in, or the state the record it continues ended in, and no seed or state was
-set since (not even one equal to the state it holds: eagerly that wipes out
-the draws; a state read after the deferral and set back, ``fork_rng``'s exit,
-is no reseed).  A stream's end is known
-when its last draw was replayed, or when every draw after the last one
-replayed is *dead*: a temporary (what it drew is held by no tensor any
-more: a random temporary of the constructor, a value replaced by ``.data =``)
-or a draw into a tensor already materialized whose values later writes
-overwrote (dead-work elimination skipped it), or a draw the materialized
-tensors depend on without needing its values (read for its geometry only,
-as a DTensor rank's empty piece reads its source); those are then replayed
-into scratch memory.  Other draws into tensors still deferred, or whose
-values a checkpoint load overwrote, are not replayed for this: the
-generator then waits.  With ``device=``, the generator of the
-target device is the one eager construction there would have advanced.
+Once a materialization knows the state a stream ended in, its generator is
+moved there, provided nothing moved it since deferral: it still holds the
+state recording (or the record it continues) left, and no seed or state was
+set since (:class:`deferinit.random.record.Lineage`).  A stream's end is
+known when its last draw was replayed, or when every draw after it is dead
+(a temporary, a draw later writes overwrote) or read for its geometry only:
+those are replayed into scratch memory.  Draws into tensors still deferred,
+or that a checkpoint load overwrote, make the generator wait.  With
+``device=``, the target device's generator is the one moved.
 """
 
 from __future__ import annotations
@@ -71,9 +61,6 @@ class HandOver:
             if not same_state(get_state(gen), state):
                 FOREIGN.set_state(gen, state)
 
-    def run(self, device) -> None:
-        hand_over_generators(self.streams, device, self.records)
-
     def finish(self, device) -> None:
         """Undo or hand over, as the work ended (idempotent; see the class)."""
         if self.done:
@@ -83,7 +70,7 @@ class HandOver:
                 # Interrupted after the commit: the swapped-out fakes held by the
                 # finished frames go first, as on the ordinary path (see pipeline._run).
                 self._clear_finished_frames()
-            self.run(device)
+            hand_over_generators(self.streams, device, self.records)
         else:
             for undo in reversed(self.undos):
                 undo()

@@ -1,23 +1,12 @@
 """Progress of a materialization: tensors and bytes done of the total, and a summary line.
 
-Shown whenever it is asked for (``progress=True`` or ``DEFERINIT_PROGRESS=1``),
-on a terminal or not: Jupyter, SLURM and piped logs get it too.  A tensor is
-done when the replay has run the last operation it needs, so the counts are
-the user's tensors and bytes, not the replayed operations (whose costs
-differ by orders of magnitude).  Before a part of a model can be computed,
-the random generator must reach the state eager construction had there:
-while the replay moves past earlier draws (jumped over, or generated where
-their word counts are not known), the display says so and how many are
-left.  The display is refreshed by time: often on a terminal or in
-Jupyter, every ``LOG_INTERVAL`` seconds in a log, where every refresh stays
-in the file (a log also keeps the bar's last state).  At the end one line
-stays: ``deferinit: materialized 148 tensors (2.6 GiB) in 27.1 s``, and when
-the replay moved past earlier draws, what it took:
-``...; the generator jumped over 1,203 earlier draws (29.7 GiB of random
-numbers), 3 generated``.
-
-tqdm draws the bar; without tqdm, plain lines are printed instead, and a
-note says once that installing tqdm gives a bar.
+What is shown is described in docs/materialize.md (``progress=``).  A tensor
+is done when the replay has run the last operation it needs, so the counts
+are the user's tensors and bytes, not the replayed operations (whose costs
+differ by orders of magnitude); while the replay moves past earlier draws
+only for the generator's state, the display says how many are left.  It is
+refreshed by time: often on a terminal or in Jupyter, every
+``LOG_INTERVAL`` seconds in a log, where every refresh stays in the file.
 """
 
 from __future__ import annotations

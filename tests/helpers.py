@@ -12,7 +12,7 @@ from deferinit.materialize import materialize_module, materialize_tensor
 
 def check_jump_models() -> None:
     """Run the once-per-process checks of the kernels' word counts now
-    (deferinit.random.consumption.verified), so that a profiler counting random
+    (deferinit.random.jumps.verified), so that a profiler counting random
     kernels sees only the replay's own."""
     from deferinit.random.jumps import FAMILIES, verified
 

@@ -120,7 +120,7 @@ class Node:
     rng_target = None
     # ``(sizes, strides, dtype)`` of the tensor a random factory makes (an
     # in-place draw's is its written input's): how many words it draws
-    # depends on it (deferinit.random.consumption).
+    # depends on it (deferinit.random.jumps).
     filled = None
     # True for an operator recorded after deferred_init returned (a change of
     # the model, such as load_state_dict's copies): see effects.is_load.

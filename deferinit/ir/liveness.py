@@ -481,12 +481,16 @@ class Liveness:
 
     # -- random draws needed only for the generator -----------------------------
 
-    def _draws_needed(self) -> set:
-        """Draws whose state a drawing node needs and that the scan left out."""
-        drawing = [
+    def drawing(self) -> list:
+        """The live nodes that draw (whose generator states the replay needs)."""
+        return [
             node for node in self.order
             if node.rng is not None and self.modes.get(id(node)) != ALLOC and node.rng[0]() is not None
         ]
+
+    def _draws_needed(self) -> set:
+        """Draws whose state a drawing node needs and that the scan left out."""
+        drawing = self.drawing()
         known = self._known_before
         if known is not None and len(known[0]) == len(drawing) and all(id(n) in known[0] for n in drawing):
             before = known[1]

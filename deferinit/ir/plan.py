@@ -10,6 +10,9 @@ Shared by the interpreter (:mod:`deferinit.materialize.replay`), the printed gra
 * **Random streams.**  A random node must draw from the state its generator
   had eagerly.  For every needed draw, the draws between the nearest known
   earlier state and it are planned too (their results are thrown away).
+  When a load is among the reads, only the draws the liveness pass keeps
+  live get theirs (a draw a load overwrites needs no state: planning each
+  loaded parameter alone does not walk every earlier one's draw).
 * **Devices.**  A :class:`DeviceMap` maps every recorded device to another
   one; draws recorded for several devices then come from one generator.
 * **Dead work.**  Of all that, :mod:`deferinit.ir.liveness` keeps what the
@@ -35,6 +38,7 @@ from deferinit.fake.device import normalize
 
 from ..errors import ReplayError
 from .graph import FreshRead, Input, Node, version_seq
+from .effects import is_load
 from .liveness import RUN, Liveness
 from ..random.streams import ReplayStream, Stream, replay_streams
 
@@ -130,27 +134,35 @@ class Plan:
 
     def _plan(self) -> None:
         needed = closure(self.targets, self.extra)
+        seen: dict[int, Stream] = {}
+        if self.eliminate and any(is_load(n) for n in needed.values()):
+            # A load hides the draws it overwrites: their generator states are
+            # not needed, so grow the universe by the draws before the live
+            # draws only (not before every draw: one load per parameter would
+            # walk every earlier parameter's draw, quadratic in a model).
+            while True:
+                self._streams_of(needed, seen)
+                self.liveness = liveness = Liveness(
+                    self.targets, self.extra, needed, self.streams, real_read=real_read, closure=closure,
+                    draws_before=draws_before)
+                before = len(needed)
+                closure((), draws_before(liveness.drawing(), self.streams), needed)
+                if len(needed) == before:
+                    break
+            self._mark_planned(needed)
+            self.order = liveness.order
+            return
 
         # Random draws: replay, from the nearest known state, every draw up
         # to each needed one (their own inputs included), until nothing new.
-        seen: dict[int, Stream] = {}
         while True:
-            for node in list(needed.values()):
-                if node.rng is not None:
-                    stream = node.rng[0]()
-                    if stream is None:
-                        raise ReplayError(f"the record of {node} is gone; it cannot be replayed")
-                    seen.setdefault(id(stream), stream)
-            self.streams = replay_streams(list(seen.values()), self.device_map)
+            self._streams_of(needed, seen)
             before = len(needed)
             found = draws_before(needed.values(), self.streams)
             closure((), found, needed)
             if len(needed) == before:
                 break
-        for node in needed.values():
-            if node.rng is not None:
-                rs = self.streams[id(node.rng[0]())]
-                rs.planned.add(rs.index[id(node)])
+        self._mark_planned(needed)
 
         if not self.eliminate:
             self.order = sorted(needed.values(), key=lambda n: n.seq)
@@ -165,6 +177,22 @@ class Plan:
             draws_before=draws_before, known_before=(asked, found),
         )
         self.order = self.liveness.order
+
+    def _streams_of(self, needed: dict, seen: dict) -> None:
+        """``self.streams`` for the random nodes of ``needed`` (their streams added to ``seen``)."""
+        for node in list(needed.values()):
+            if node.rng is not None:
+                stream = node.rng[0]()
+                if stream is None:
+                    raise ReplayError(f"the record of {node} is gone; it cannot be replayed")
+                seen.setdefault(id(stream), stream)
+        self.streams = replay_streams(list(seen.values()), self.device_map)
+
+    def _mark_planned(self, needed: dict) -> None:
+        for node in needed.values():
+            if node.rng is not None:
+                rs = self.streams[id(node.rng[0]())]
+                rs.planned.add(rs.index[id(node)])
 
     def mode(self, node: Node) -> str:
         """How the replay runs ``node``: ``"run"``, or see :mod:`deferinit.ir.liveness`."""

@@ -40,7 +40,6 @@ from deferinit.fake.bypass import no_python_dispatch
 N = 624  # words of state
 M = 397
 DEGREE = 19937  # of the characteristic polynomial (the period is 2**19937 - 1)
-STATE_BYTES = 5056  # torch's CPUGeneratorImplState
 
 _UPPER = np.uint32(0x80000000)
 _LOWER = np.uint32(0x7FFFFFFF)
@@ -56,8 +55,6 @@ _NEXT = 16
 _WORDS = 24
 NORMAL_Y = 5024  # the cached double normal sample
 NORMAL_VALID = 5040
-FLOAT_NORMAL = 5048
-FLOAT_NORMAL_VALID = 5052
 
 #: Exponents of the characteristic polynomial of MT19937's one-word step:
 #: ``phi(t) = sum(t**e for e in PHI_EXPONENTS)``.  Computed by
@@ -78,7 +75,7 @@ PHI = sum(1 << e for e in PHI_EXPONENTS)
 
 # Jumps shorter than this many words are drawn instead (the block refills
 # of a short extension cost less than a jump).
-_EXTEND_BELOW = 1 << 16
+EXTEND_BELOW = 1 << 16
 _ROUND = 64
 
 
@@ -114,11 +111,6 @@ def state_words(state: torch.Tensor) -> np.ndarray:
     """The 624 words of a CPU generator state (``get_state()``)."""
     raw = state.numpy() if isinstance(state, torch.Tensor) else state
     return np.frombuffer(raw.tobytes(), np.uint64, N, _WORDS).astype(np.uint32)
-
-
-def is_cpu_state(state: torch.Tensor) -> bool:
-    """Whether ``state`` is laid out as a CPU (MT19937) generator's."""
-    return isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.numel() == STATE_BYTES
 
 
 # -- GF(2) polynomials -------------------------------------------------------
@@ -248,7 +240,7 @@ def jump_block(block: np.ndarray, refills: int) -> np.ndarray:
     if refills == 0:
         return block.copy()
     end = N * refills + N
-    if end <= _EXTEND_BELOW:
+    if end <= EXTEND_BELOW:
         return extend(block, end)[end - N:]
     # Jump by a multiple of _ROUND refills (jumps of nearly the same length,
     # as a sharded rank makes from one parameter to the next, then share one
@@ -278,7 +270,7 @@ def jump_is_cheap(state: torch.Tensor, words: int) -> bool:
     """Whether :func:`advance` by ``words`` needs no new polynomial (one cached,
     or no jump at all): it then costs a few milliseconds, not tens."""
     refills = _refills(state, words)
-    if N * refills + N <= _EXTEND_BELOW:
+    if N * refills + N <= EXTEND_BELOW:
         return True
     jumped = refills - refills % _ROUND
     j = N * jumped - 1

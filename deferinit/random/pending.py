@@ -1,29 +1,17 @@
 """Real random draws after a deferral whose own draws on that generator are still pending.
 
-Recording draws nothing, so after ``deferred()`` each default generator is
-where it was before the block; materialization replays the recorded draws
-from the states eager construction drew them from and then moves the
-generator to where eager construction left it.  A real draw in between
-(``get_peft_model`` on a deferred base, a new ``nn.Linear`` head,
-``torch.randn`` for an input) starts from the state *before* the model's
-draws, where eagerly it came after them: its values, and every later draw,
-differ from eager, and materialization can no longer leave the generator
-where eager construction did.  Equal values would need the model's random
-numbers generated at that moment (minutes for a large model), so instead
-this is said when it happens: a :class:`~deferinit.errors.PendingDrawsWarning`
-naming the op, the modules being built and the deferral, once per deferral.
+A real draw after ``deferred()`` (``get_peft_model`` on a deferred base, a
+new head, ``torch.randn`` for an input) starts from the state *before* the
+model's draws, where eagerly it came after them: it and every later draw
+differ from eager.  Generating the model's numbers then would take minutes,
+so a :class:`~deferinit.errors.PendingDrawsWarning` says so instead, once
+per deferral, naming the op, the modules being built and the deferral.
 
-While a closed record with draws on a default generator is alive and may
-still warn (and only then), PyTorch's Python entry points of random ops (the
-``torch`` functions and ``Tensor`` methods of every ATen op with a
-``generator`` argument) are diverted to a check; a draw is *pending* while
-that generator still holds the state recording left it in and no seed was
-set through torch's API since (a seed, a materialization's hand-over or an
-earlier real draw means it is not).  A record stops being watched as soon
-as it cannot warn any more (it warned, a seed was set, its generators
-moved), so the check, some microseconds a call, is paid only in that
-window.  Random kernels that C++ calls internally (``F.dropout``) are not
-seen.
+Only while a closed record may still warn are the ``torch`` functions and
+``Tensor`` methods of every ATen op with a ``generator`` argument diverted
+to a check: the draw is pending while the generator holds the state
+recording left it in and no seed was set since.  Random kernels called
+from C++ (``F.dropout``) are not seen.
 """
 
 from __future__ import annotations

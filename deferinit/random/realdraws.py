@@ -1,23 +1,14 @@
 """Random operations on real tensors while a thread records, and running a random
 operator from a given generator (replay uses that too).
 
-A constructor may touch tensors that are already real: a module built
-eagerly before and passed in, re-initialized by ``self.apply(self._init_weights)``
-(transformers' ``post_init``, timm), or a global buffer.  Eagerly, such a
-draw comes from the generator as the draws before it left it.  While
-recording, those earlier draws were not made, so drawing from the real
-generator would give other numbers, and move the generator under the
-record's feet.  Instead the draw happens at once, on the real tensor, from
-a private generator put in the state eager would have at that point
-(computed as for ``get_rng_state`` inside a constructor: the draws recorded
-before it are jumped over, or replayed into scratch memory), and it joins
-the generator's stream as a draw whose resulting state is known.  So the real tensor holds
-eager's values as soon as ``deferred_init`` returns, the deferred draws
-after it continue from where it left the generator, and materializing the
-deferred model leaves the generator where eager construction leaves it.
-No generator anyone can see is written (except, for the instant of the
-call, the device's default one for the rare operators that take no
-``generator`` argument).
+A constructor may re-initialize tensors that are already real (a module
+built eagerly and passed in, ``post_init``'s ``_init_weights``).  The draw
+happens at once, on the real tensor, from a private generator in the state
+eager would have at that point (as for ``get_rng_state`` while recording),
+and joins the stream as a draw whose resulting state is known: the real
+tensor holds eager's values when ``deferred_init`` returns.  No generator
+anyone can see is written (except, for the instant of the call, the default
+one for the rare operators that take no ``generator`` argument).
 
 Example::
 

@@ -1,18 +1,12 @@
 """A record: what one ``deferred_init`` call needs to replay its tensors exactly.
 
-The graph itself lives in nodes and values reachable from the fakes.  The
-record keeps what is *not* reachable that way: the random nodes of each
-generator stream, in order (a random temporary that nothing keeps still
-advanced the generator eagerly, so it must be replayed), what user code did
-to the generators (see :mod:`deferinit.random.streams` and :mod:`deferinit.random.seeding`),
-and the generators' real states when recording started and stopped.  Fakes
-hold their record; the graph never does.
-
-Recording never writes to a default generator: they are shared by every
-thread of the process.  Explicit generators (``torch.Generator`` objects
-passed as ``generator=``) are *marked* after each draw instead (seeded with a
-tag standing for "right after draw d"), so that one put back to an earlier
-state is recognised, and given back their real state when recording stops.
+The graph lives in nodes reachable from the fakes (which hold their record;
+the graph never does).  The record keeps what is not reachable that way:
+each generator's stream of random nodes, temporaries included, what user
+code did to the generators, and their real states when recording started
+and stopped.  Default generators, shared by every thread, are never
+written; explicit ones are *marked* after each draw (seeded with a tag
+standing for "right after draw d") and given back their state at the end.
 """
 
 from __future__ import annotations
@@ -343,24 +337,16 @@ CHAINS = Chains()
 class Lineage:
     """Names for the state each default generator has *eagerly*, so that a reseed
     between a deferral and its materialization is noticed, even one to the very
-    state the generator holds.
+    state the generator holds (the hand-over,
+    :mod:`deferinit.materialize.generators`, waits then).
 
-    After a deferral the real generator stands where it was, while eagerly it
-    has moved past the record's draws; materialization moves it there (the
-    hand-over, :mod:`deferinit.materialize.generators`) only while its eager
-    state is still the one the record left.  Each state gets a name (a
-    number): closing a record names the state after its draws, a child of the
-    state before (:meth:`advance`); a seed or a state set by user code is a
-    new root (:meth:`reseed`); a state read with ``get_rng_state`` and set
-    back (``fork_rng``'s exit, a trainer saving and restoring) carries the name
-    it was read under, so it puts back that eager state (:meth:`read`,
-    :meth:`restored`).  A record's draws are pending for the hand-over while
-    the generator's current name descends from the name its close gave
-    (:meth:`descends`): through later records' closes only.
-
-    torch's Python API for the generators is diverted while a closed record
-    waits for its hand-over (:mod:`deferinit.random.seeding`), which tells this what
-    user code does.
+    Closing a record names the state after its draws, a child of the state
+    before (:meth:`advance`); a seed or a set state is a new root
+    (:meth:`reseed`); a state read and set back (``fork_rng``'s exit) carries
+    the name it was read under (:meth:`read`, :meth:`restored`).  A record's
+    draws are pending while the generator's name descends from the one its
+    close gave (:meth:`descends`).  The diverted generator API
+    (:mod:`deferinit.random.seeding`) tells it what user code does.
     """
 
     def __init__(self):
@@ -376,10 +362,6 @@ class Lineage:
         name = next(self._clock)
         self._parent[name] = parent
         return name
-
-    @holding("_lock")
-    def current(self, key) -> int:
-        return self._now(key)
 
     def _now(self, key) -> int:
         name = self._current.get(key)
@@ -467,13 +449,11 @@ class Foreign:
     """The seeds other threads gave the default generators through torch's API
     (``torch.manual_seed``, ``set_rng_state``...) while some thread records.
 
-    A recording thread notices C++-level changes of a default generator by
-    its seed (:meth:`Record._observe`); a seed another thread set is not this
-    thread's doing, and its record must not follow it.  Those threads' calls
-    are diverted (:mod:`deferinit.random.seeding`) to :meth:`setting`, which makes
-    the change and logs the seeds that result, under one lock: a recording
-    thread that sees a new seed takes the lock, so the change is logged
-    before it looks.
+    A recording thread notices C++-level changes by the seed
+    (:meth:`Record._observe`) and must not follow another thread's.  Those
+    threads' calls are diverted to :meth:`setting`, which makes the change
+    and logs the resulting seeds under the lock a recording thread takes
+    when it sees a new seed.
     """
 
     _KEEP = 64  # sets remembered per generator
@@ -509,11 +489,9 @@ class Foreign:
         """Default generator ``gen`` (of ``key``), whose seed changed since epoch
         ``since``, read under the lock the diverted calls set it under:
         ``(epoch, seed, state)``, ``state`` None when the seed is the one the
-        latest of those calls left and that call came after ``since``
-        (another thread's doing), else the generator's state (a change no
-        diverted call made: this thread's own).  Read under the lock, not
-        before it: a seed read earlier may have been pushed out of the log
-        (``_KEEP``) by the sets of a thread seeding in a loop meanwhile.
+        latest of those calls left after ``since`` (another thread's doing),
+        else the generator's state (this thread's own change).  Read under
+        the lock: a seed read before may have left the log (``_KEEP``).
 
         Example::
 

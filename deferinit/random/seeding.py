@@ -1,34 +1,16 @@
 """What user code does to the generators while a thread records.
 
-Recording draws nothing, so the generators stand still; eager construction
-would have advanced them.  User code inside a constructor that seeds or
-reads a generator (``torch.manual_seed``, ``fork_rng``,
-``torch.get_rng_state()`` kept in a buffer, a private generator cloned from
-the global one) must see what it would have seen eagerly, and nothing
-another thread can observe may change.  So torch's Python API for the
-default generators is diverted in the recording thread (and only there):
-
-* seeding (``torch.manual_seed``, ``torch.seed``, ``torch.cuda.manual_seed``
-  and friends) and setting states (``set_rng_state``) become events of the
-  record's streams, at the position they happen (:class:`deferinit.random.streams.Stream`);
-  the real generators are not touched;
-* reading (``get_rng_state``, ``initial_seed``) answers with the state eager
-  construction would have reached at this point, replaying the draws made so
-  far into scratch memory when it is not known yet;
-* ``torch.default_generator`` (and ``torch._C.default_generator``,
-  ``torch.random.default_generator``) is, in the recording thread, a
-  stand-in whose methods do the same (``clone_state()`` gives a generator in
-  eager's state), and which ops passed ``generator=torch.default_generator``
-  treat as the default generator.
-
-The recording thread's view of a default generator is its own: it starts
-from the state the generator had when recording started, and moves only by
-what this thread does.  Other threads draw from the real generator (their
-draws do not reach this record), and the diverted functions do exactly what
-they did there; setting a generator there also tells
-:data:`deferinit.random.record.CHAINS` that the next record must not continue the
-last one's stream, and :data:`deferinit.random.record.FOREIGN` which seed it
-set, so that no recording thread takes it for its own.
+Eager construction would have advanced the generators; user code inside a
+constructor that seeds or reads one (``torch.manual_seed``, ``fork_rng``,
+``get_rng_state()`` kept in a buffer) must see what it would have seen
+eagerly, and nothing another thread can observe may change.  So torch's
+Python API for the default generators is diverted in the recording thread
+only: seeds and set states become events of the record's streams
+(:class:`deferinit.random.streams.Stream`), reads answer with eager's state
+at this point, and ``torch.default_generator`` is a stand-in doing the
+same.  Other threads call the originals, which also tell
+:data:`deferinit.random.record.CHAINS`, ``LINEAGE`` and ``FOREIGN`` what
+they set.  docs/design.md ("Random streams") has the whole story.
 
 Example::
 
@@ -444,11 +426,9 @@ def _held(record: Record):
 def release_if_moot(record: Record) -> None:
     """Stop diverting the functions for ``record`` once none of its default
     generators can be handed over or continued any more: each was reseeded
-    since, and no state read since the record closed is alive (set back, it
-    would put the record's state in force again).  A generator merely moved
-    (handed over, drawn from) does not make it moot: a later seed may give
-    it the very bytes the record left, and only the diversion tells that
-    seed from the record's state (CHAINS would continue the record).
+    since, and no state read since the record closed is alive.  A generator
+    merely moved does not make it moot: a later seed may give it the very
+    bytes the record left, and only the diversion tells the two apart.
 
     Example::
 
@@ -482,22 +462,15 @@ def _release_moot() -> None:
 
 def wait_for_undiverted_calls(timeout: float = 2.0) -> bool:
     """Wait until no other thread is inside one of torch's own seeding functions
-    (``torch.manual_seed``, ``set_rng_state``... as torch defines them, not
-    diverted), before a record reads its entry states.
+    (``torch.manual_seed``, ``set_rng_state``... undiverted), before a record
+    reads its entry states; returns whether none was left under way after
+    ``timeout`` seconds.
 
-    The diversion reaches calls that look the function up once it is in
-    place.  A thread that looked ``torch.manual_seed`` up before (while no
-    record held the diversion, or while a reseed had let it go as moot)
-    and is inside it when a record opens would seed the generator after
-    the record read its entry seed, unlogged: the record would take that
-    seed for its own doing at its next draw (:meth:`Record._observe`).
-    Every call from here on is diverted (the recording holds the
-    diversion), so once those under way are over, any seed another thread
-    sets is logged.  No protocol tells which calls are under way: torch's
-    seeding functions are plain Python functions, and the only trace of a
-    call in progress is its frame, in ``sys._current_frames()``.  A call
-    that takes longer than ``timeout`` seconds is not waited for; returns
-    whether none was left under way.
+    A call looked up before the diversion went in, still running when the
+    record opens, would seed the generator unlogged, and the record would
+    take that seed for its own (:meth:`Record._observe`); every later call
+    is diverted.  The only trace of a call in progress is its frame, in
+    ``sys._current_frames()`` (see docs/design.md, "Random streams").
 
     Example::
 

@@ -1,31 +1,20 @@
 """Generator streams: the draws from one generator in order, what is known of its state between them, and the state at draw k.
 
-Recording draws nothing.  Each random node is appended to the *stream* of
-the generator it would have drawn from (:func:`deferinit.random.rng.stream_key`),
-and replay rebuilds the state before any draw from the nearest state it
-knows, re-running the draws in between (see :mod:`deferinit.ir.plan`).
+What a stream knows, position by position (``k`` is "right before draw
+``k``"; ``len(nodes)`` is the end):
 
-What a stream knows, position by position (position ``k`` is "right before
-draw ``k``"; ``len(nodes)`` is the end):
-
-* **events**, facts recorded while user code ran: the generator's real
-  state when the stream started (``OBSERVED``), and what user code did to it
-  (``SET``: a state set by ``set_rng_state``/``set_state``, or read back from
-  the generator after a change; ``SEED``: ``manual_seed(s)``, resolved
-  against whichever generator replays it; ``SAME(d)``: the state right after
-  draw ``d`` of this stream put back, e.g. by ``fork_rng``);
-* **post** states: ``post[d]`` is the exact state right after draw ``d``,
-  cached by replay (an explicit generator put back to it is a ``SAME(d)``
-  event: "the state right after draw d");
-* **after**: the stream of an earlier record this one continues (two models
-  deferred back to back draw one stream, as eagerly).
+* **events**, recorded while user code ran: the generator's real state when
+  the stream started (``OBSERVED``), a state set (``SET``), ``manual_seed(s)``
+  (``SEED``, resolved against whichever generator replays it), the state
+  right after draw ``d`` put back (``SAME(d)``, e.g. by ``fork_rng``);
+* **post** states: ``post[d]``, the exact state right after draw ``d``,
+  cached by replay;
+* **after**: the stream of an earlier record this one continues.
 
 A record keeps a :class:`Stream` per generator; a replay sees each through a
-:class:`ReplayStream`.  A device remap may *merge* several record streams
-(draws recorded for ``cpu`` and ``cuda`` all come from the target device's
-generator, in recorded order); the merged stream starts from that
-generator's state when recording started, and user code's seeds and states
-apply at the time they happened.  One walk (:func:`walk_back`) answers, for
+:class:`ReplayStream`, which a device remap may *merge* from several (draws
+recorded for ``cpu`` and ``cuda`` all come from the target device's
+generator, in recorded order).  One walk (:func:`walk_back`) answers, for
 both, the state at draw ``k`` (:func:`state_before`) and the draws to replay
 to know it.
 """

@@ -174,10 +174,7 @@ def _file(name, path: str, sizes: dict, bad, field: str, key: str) -> str:
         return name
     if type(name) is not str or not name or any(p in ("", ".", "..") for p in name.split("/")) or "\\" in name:
         raise bad(field, f"is {short(name)}, not a file name inside the checkpoint")
-    try:
-        full = inside(path, name, f"{os.path.join(path, METADATA)}, in its {field},")
-    except CheckpointError as e:
-        raise CheckpointError(f"{e}") from None
+    full = inside(path, name, f"{os.path.join(path, METADATA)}, in its {field},")
     try:
         with open_regular(full) as f:
             sizes[name] = os.fstat(f.fileno()).st_size

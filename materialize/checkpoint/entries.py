@@ -12,8 +12,6 @@ record hold entries; replay reads them (:meth:`Entry.read_parts`,
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from deferinit.ir.boxes import contiguous_strides  # noqa: F401 (re-exported)
@@ -50,19 +48,10 @@ class Entry:
         of the tensor is read by its position in the tensor)."""
         return all(n == 1 or s == c for n, s, c in zip(self.shape, self.strides, contiguous_strides(self.shape)))
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
     def box(self, start, sizes) -> "Entry":
         """The block of this tensor starting at index ``start``, of shape ``sizes``."""
         offset = self.offset + sum(i * s for i, s in zip(start, self.strides))
         return Entry(self.source, self.key, self.dtype, sizes, self.base, offset, self.strides)
-
-    def first(self) -> "Entry":
-        """Element 0 as a 0-dim tensor (``load_state_dict`` loads a shape-[1]
-        checkpoint tensor into a 0-dim parameter)."""
-        return Entry(self.source, self.key, self.dtype, (), self.base, self.offset, ())
 
     def read_parts(self, dst: torch.Tensor, parts=None) -> None:
         """Read the tensor into ``dst`` (its shape), or only ``parts``: ``(offset,

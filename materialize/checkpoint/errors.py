@@ -14,8 +14,6 @@ import os
 from deferinit.errors import DeferredInitError, MaterializationError
 
 
-
-
 class CheckpointError(DeferredInitError):
     """``load_checkpoint`` cannot use its source: a missing or unreadable file, a
     corrupt header, a format it does not know.  Nothing was recorded or loaded."""

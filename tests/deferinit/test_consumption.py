@@ -1,5 +1,5 @@
-"""Word counts of the CPU random kernels (deferinit/random/consumption.py) and the jumps
-built on them (deferinit/random/jumps.py), against the real generator.
+"""Word counts of the CPU random kernels and the jumps built on them
+(deferinit/random/jumps.py), against the real generator.
 
 The property: for a random call recorded by ``deferred_init`` (any kernel,
 dtype, shape including 0, 1, 15, 16, 17 elements, contiguous or not, with a
@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from deferinit import deferred_init
-from deferinit.random.consumption import FALLBACKS
+from deferinit.random.jumps import FALLBACKS
 from deferinit.random.jumps import FAMILIES, Cursor, check_family, checked, draw_part, part_pieces, verified
 from deferinit.materialize import materialize_module
 
@@ -160,9 +160,9 @@ def test_every_family_agrees_with_this_torch():
 
 def test_a_wrong_count_is_caught(monkeypatch):
     """The once-per-process check is a real one: a model off by one word fails it."""
-    from deferinit.random import consumption as module, jumps
+    from deferinit.random import jumps
 
-    real = module._uniform
+    real = jumps._uniform
 
     def off_by_one(sizes, strides, dtype, family="uniform"):
         c = real(sizes, strides, dtype, family)
@@ -176,7 +176,7 @@ def test_a_wrong_count_is_caught(monkeypatch):
 @pytest.mark.parametrize("kernel", ["uniform_", "normal_"])
 @pytest.mark.parametrize("numel", [16, 17, 31, 32, 33, 100, 1003])
 def test_drawing_a_part_equals_the_whole_draws_part(dtype, kernel, numel):
-    from deferinit.random.consumption import _normal, _uniform
+    from deferinit.random.jumps import _normal, _uniform
 
     fill = (lambda v, g: v.uniform_(-1, 1, generator=g)) if kernel == "uniform_" else (lambda v, g: v.normal_(0, 1, generator=g))
     c = (_uniform if kernel == "uniform_" else _normal)((numel,), (1,), dtype)

@@ -319,3 +319,18 @@ def test_a_view_of_a_computed_tensor_after_an_alias_of_it_is_refused():
         assert_same_tensors(eager, d)
         assert type(d.y.grad_fn) is type(eager.y.grad_fn)
         assert d.y.untyped_storage().data_ptr() == d.alias.untyped_storage().data_ptr()
+
+
+def test_a_loaded_parameters_plan_does_not_walk_the_draws_before_it():
+    # Each parameter's load hides its own draw, so its plan needs no generator
+    # state: planning it must not take in every earlier parameter's draw (one
+    # load per parameter, planned one at a time as sharded models are, was
+    # quadratic in the number of parameters).
+    torch.manual_seed(0)
+    m = deferred_init(lambda: nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)]))
+    m.load_state_dict({k: torch.full(v.shape, 0.5) for k, v in m.state_dict().items()})
+    plan = Plan([read_of(m[19].weight)])
+    assert len(plan.liveness.universe) < 10
+    assert not any(n.rng is not None for n in plan.order)
+    materialize_module(m)
+    assert all(torch.equal(t, torch.full_like(t, 0.5)) for t in m.state_dict().values())

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 from deferinit import deferred_init
-from deferinit.random.consumption import FALLBACKS
+from deferinit.random.jumps import FALLBACKS
 from deferinit.materialize import materialize_module, materialize_tensor
 from helpers import assert_same_tensors, check_jump_models, materialize_in_order
 
