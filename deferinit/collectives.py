@@ -1,30 +1,17 @@
 """Collectives on deferred tensors: recorded as what they compute on this rank.
 
-``distribute_tensor`` and ``parallelize_module`` (with their default
-``src_data_rank=0``) make every rank's shard out of rank 0's data: a
-``c10d.scatter_`` for ``Shard``, a ``c10d.broadcast_`` for ``Replicate``.
-A collective cannot be replayed faithfully (every rank would have to
-materialize the same tensors in the same order, at the same moment), and
-it need not be: every rank runs the same program, so when the tensor rank
-0 sends has the same recipe on this rank, its values are the ones this
-rank already has.  So, at the moment the collective is issued (all ranks
-are in it), the ranks exchange a fingerprint of the source tensor's recipe
-(its operators, arguments, constants and the generator states its random
-draws start from) in one small ``all_gather``; if they agree, the
-collective is recorded as its local equivalent:
-
-* ``broadcast_`` changes nothing (the tensor already holds the root's values);
-* ``scatter_`` becomes a copy of ``piece`` into the output, ``piece``
-  being this rank's piece of its own copy of the source, and zeros into
-  the rest of the output (the padding the root adds to uneven pieces).  The
-  source is found from the output, which DTensor allocates like one of the
-  pieces (``empty_like``) that it split off the source; the pieces
-  themselves only reach the collective on the root.
-
-If they disagree (ranks seeded differently, or rank-dependent code), a
-:class:`CollectiveError` says so, on every rank at once.  Every other
-collective on a deferred tensor (an ``all_gather`` by ``full_tensor()``,
-``redistribute``...) needs values that do not exist yet and raises too.
+``distribute_tensor`` and ``parallelize_module`` (default
+``src_data_rank=0``) make every rank's shard out of rank 0's data with a
+``c10d.scatter_`` (``Shard``) or ``c10d.broadcast_`` (``Replicate``).
+A collective cannot be replayed, and need not be (docs/sharded.md): while
+it is issued, the ranks compare a fingerprint of the source's recipe in one
+small ``all_gather``; if they agree, ``broadcast_`` is recorded as nothing
+and ``scatter_`` as a copy of this rank's piece of its own source (zeros
+over the root's padding).  The source is found from the output, which
+DTensor allocates like one of the pieces it split off the source
+(``empty_like``); the pieces themselves reach the collective on the root
+only.  Ranks that disagree, and any other collective on a deferred tensor,
+raise :class:`CollectiveError`, on every rank at once.
 
 Example::
 

@@ -50,21 +50,13 @@ class MaterializationError(DeferredInitError):
     """Replaying the record failed; nothing was changed."""
 
 
-
-
 class ReplayError(MaterializationError):
     """An operation failed while being replayed."""
-
-
-
-
-
 
 
 class DeferredWriteError(RecordingError):
     """A computation that is not recorded (a forward pass or an optimizer step
     on a still-deferred model outside ``fake_mode``) wrote a deferred tensor."""
-
 
 
 #: How FSDP1 is built on a deferred model, for the messages that point to it.

@@ -1,26 +1,19 @@
 """The tensors a module holds: parameters, buffers, plain attributes, and what other objects it holds keep.
 
-Constructors keep tensors outside ``_parameters`` and ``_buffers`` too:
-``self.freqs = 1.0 / 10000 ** (...)`` (rotary tables in diffusers and
-research code), ``weight_norm``'s computed ``weight``, lists, tuples and
-dicts of tensors.  Eagerly they are real like any parameter, so
-materializing a module must reach them.  The walk looks into the module's
-own ``__dict__`` and, recursively, into the plain containers it holds
-(``list``, ``tuple``, ``dict``, ``set`` and their subclasses), each
-container once (cycles end there); it never enters submodules (they are
-walked as modules) or tensors.
-
-Other objects a module holds keep tensors too: a hook object's map of
-offloaded weights (accelerate's ``cpu_offload`` moves the parameters to
-``meta`` and keeps the weights in its hook), a ``functools.partial`` or a
-closure put in place of ``forward``.  Those are ``beyond``: tensors
-reachable from the module through other objects' attributes (``__dict__``
-and ``__slots__``), partials, bound methods and closures, recursively --
-never through a module, a class, a Python module or a function's globals,
-and each object once per walk (``seen`` may be shared by the walks of a
-whole module tree).  A deferred tensor there is still a deferred tensor of
-the module: ``is_deferred`` says so and ``materialize_module`` makes it
-real with the rest.
+What docs/materialize.md (``materialize_module``) lists is walked here:
+the module's own ``__dict__`` and, recursively, the plain containers it holds
+(``list``, ``tuple``, ``dict``, ``set`` and their subclasses), each once
+(cycles end there), never entering submodules (walked as modules) or
+tensors; eagerly such tensors (``self.freqs = 1.0 / 10000 ** (...)``,
+``weight_norm``'s ``weight``) are real like any parameter.  Tensors other
+objects keep (a hook's map of offloaded weights as accelerate's
+``cpu_offload`` keeps them, a ``functools.partial`` or a closure put in
+place of ``forward``) are ``beyond``: reached through objects' ``__dict__``
+and ``__slots__``, partials, bound methods and closures, recursively, never
+through a module, a class, a Python module or a function's globals, each
+object once per walk (``seen`` may be shared by the walks of a module tree).
+A deferred tensor there is a deferred tensor of the module, for
+``is_deferred`` and ``materialize_module``.
 
 A held tensor's own attributes belong to it (:func:`attached`): a class that
 converts its data keeps what the conversion made there (bitsandbytes'

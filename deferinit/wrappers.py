@@ -113,8 +113,3 @@ def deferred_inside(t) -> bool:
         False
     """
     return any(is_deferred_fake(x) for _, x in inner_tensors(t))
-
-
-def fakes_inside(t) -> list[tuple[str, FakeTensor]]:
-    """``(path, fake)`` for the fakes inside wrapper ``t``, deferred or not."""
-    return [(p, x) for p, x in inner_tensors(t) if isinstance(x, FakeTensor)]

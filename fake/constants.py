@@ -1,14 +1,10 @@
 """Known values: fakes whose value follows from Python numbers, shapes and
 ``arange`` keep the real value they would have.
 
-An optimizer keeps its step counter in a tensor made from a Python number
-(``torch.tensor(0.0)``), adds one to it and reads it back with ``.item()``;
-a learning-rate scheduler computes its factor the same way; transformers'
-masking code checks position ids made with ``torch.arange`` before it
-decides how to mask (``bool((mask[:, -1] == 0).all())``).  Those values
-depend on nothing unknown, so a fake keeps them and such checks get eager
-PyTorch's answer: the step planned on fakes takes the path the real step
-takes.
+Optimizers' step counters, learning-rate factors and transformers' checks
+on position ids read such values (``.item()``, ``bool(...)``); kept, they
+get eager PyTorch's answer and a planned step takes the real step's path
+(docs/fake.md, "Known values").
 
 The rule, applied to every operator the plain fake handler computes:
 
@@ -22,18 +18,12 @@ The rule, applied to every operator the plain fake handler computes:
 * any other operator that writes a tensor in place makes the value of that
   tensor's memory unknown.
 
-The limit bounds what knowing costs: the real bytes kept, and the real
-computation of each operator on them.  It is
-``DEFERINIT_KNOWN_LIMIT_BYTES`` (default 1 MiB, e.g. the int64 position
-ids of 16 sequences of 8192 tokens); PyTorch's ``FakeTensorMode`` keeps
-constants of one element only.
-
-The value belongs to the *memory*, not to one tensor object: it is kept on
-the fake storage (:mod:`deferinit.fake.storage`) as real bytes of the same size, and
-each fake reads it through its own size, strides and offset.  Views,
-``detach()`` and in-place results therefore agree with each other at all
-times, as real aliases do, and a write through one alias reaches the
-others.  Reading the value of anything else still raises
+The limit, ``DEFERINIT_KNOWN_LIMIT_BYTES`` (default 1 MiB, the int64
+position ids of 16 sequences of 8192 tokens), bounds the real bytes kept
+and the real computation on them.  The value belongs to the *memory*: it is
+kept on the fake storage (:mod:`deferinit.fake.storage`) as real bytes, and
+each fake reads it through its own size, strides and offset, so aliases
+agree as real ones do.  Reading the value of anything else still raises
 :class:`~deferinit.fake.errors.FakeDataAccessError`.
 
 Example::

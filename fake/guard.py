@@ -2,36 +2,27 @@
 
 A ``KeyboardInterrupt``, a ``SystemExit`` or a signal handler's exception
 may arrive at any line, also inside the project's own ``__enter__`` and
-``__exit__`` (a mode pushed and never popped would make every tensor of the
-user's next line fake).  So each public call (``deferred_init``,
-``deferred()``, ``fake_mode``, ``materialize_*``, ``load_checkpoint``) notes
-at its start what it may change in the calling thread, an :class:`Entry`,
-and on any ``BaseException`` puts it back: the torch-function and dispatch
-mode stacks (and the flags PyTorch keeps beside the dispatch stack), grad
-mode, the default dtype, the per-thread stacks the layers register
-(:func:`register`), and every :class:`~deferinit.fake.patch.SharedPatch` the
-call holds under its entry, settled.  Putting back is idempotent and reads
-the state rather than trusting what was recorded of it, so it also
-finishes what an interrupt left half done.
+``__exit__`` (docs/design.md, "Interrupts").  So each public call notes at
+its start what it may change in the calling thread, an :class:`Entry` (the
+torch-function and dispatch mode stacks and the flags beside them, grad
+mode, the default dtype, the per-thread stacks the layers
+:func:`register`, every :class:`~deferinit.fake.patch.SharedPatch` it
+holds), and on any ``BaseException`` puts it back, idempotently, reading
+the state rather than trusting what was recorded of it.
 
 Exits that must run although the interrupt may arrive in them are written
 ``try: leave()`` / ``finally: leave()`` with each clause on one line (and
 ``leave`` idempotent): the compiler then puts no instruction of its own
-before the protected call, so one interrupt anywhere, even at that line's
-start or inside the first ``leave()``, leaves the second to finish.  An
-undo that runs because a first interrupt arrived is itself one handler
-deep: a second interrupt at the handler's start (Python reports a line
-there) skips it, so :func:`undoing` nests two handlers, each on one line,
-and the second finishes what the first did not.  Context managers of the
-project are classes, never ``contextlib`` generators: an interrupt that
-keeps a generator's ``__exit__`` from running leaves the generator
-suspended, and the collector closes it, running its undo, at some later
-point, inside unrelated work.
+before the protected call, so one interrupt anywhere, even inside the first
+``leave()``, leaves the second to finish.  For the same reason
+:func:`undoing` nests two handlers, each on one line (a second interrupt
+at a handler's start skips it), and the project's context managers are
+classes, never ``contextlib`` generators (a generator an interrupt left
+suspended runs its undo whenever the collector closes it).
 """
 
 from __future__ import annotations
 
-import functools
 import gc
 
 import torch
@@ -197,30 +188,6 @@ def _rebuild(wanted: list, length, at, pop, push) -> bool:
     for mode in wanted[common:]:
         push(mode)
     return True
-
-
-def guarded(fn):
-    """``fn`` as a public call: on any ``BaseException`` the calling thread is put
-    back as it was (see :class:`Entry`), then the exception goes on.
-
-    Example::
-
-        >>> @guarded
-        ... def interrupted():
-        ...     torch._C._set_grad_enabled(False)
-        ...     raise KeyboardInterrupt
-        >>> try:
-        ...     interrupted()
-        ... except KeyboardInterrupt:
-        ...     torch.is_grad_enabled()
-        True
-    """
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        return undoing(Entry().restore, fn, *args, **kwargs)
-
-    return call
 
 
 def undoing(undo, fn, /, *args, **kwargs):

@@ -40,10 +40,6 @@ def _always(args, kwargs):
     return True
 
 
-def _training_at(position):
-    return lambda args, kwargs: _training(args, kwargs, position)
-
-
 # Writes the schema does not annotate: kernels that update tensors they take
 # as plain ``Tensor?`` (batch norm's running statistics in training mode),
 # as {overload name: (argument names, condition on (args, kwargs))}.

@@ -211,13 +211,13 @@ def _release_each(patches, holder) -> None:
         patch.release(holder)
 
 
-#: Every SharedPatch made, for :func:`settle_all`.
+#: Every SharedPatch made, for :func:`all_patches`.
 _ALL: list = []
 _made_lock = threading.Lock()
 
 
 def shared_patch(key: str, owner: str, module, replacements) -> SharedPatch:
-    """A :class:`SharedPatch`, registered for :func:`settle_all`.
+    """A :class:`SharedPatch`, registered for :func:`all_patches`.
 
     Example::
 
@@ -234,8 +234,3 @@ def all_patches() -> tuple:
     """Every patch of the project (made so far)."""
     return tuple(_ALL)
 
-
-def settle_all() -> None:
-    """Settle every patch: what an interrupt left half done is finished."""
-    for patch in all_patches():
-        patch.settle()

@@ -1,7 +1,7 @@
 """Tensors over memory that already exists: files, storages, buffers.
 
 ``torch.load`` rebuilds each tensor on a storage read from the file, and
-inside a fake mode that tensor is real (see :mod:`deferinit.fake.storage_set`): its
+inside a fake mode that tensor is real (see :mod:`deferinit.fake.storage`): its
 values come from outside the program, which a record could not reproduce
 (the file may change), and eagerly it aliases that memory.  The same holds
 for PyTorch's other ways of making a tensor over memory that exists:

@@ -23,9 +23,8 @@ from .bypass import no_python_dispatch
 from .copying import deepcopy_tensor
 from .device import backend_device, kind_of, normalize
 from .errors import FakeDataAccessError
-from .storage import storage_of
+from .storage import fake_set_, storage_of
 from .function import call_on_device, needs_rewrite, tensor_cuda, tensor_to, tensor_type_as
-from .storage_set import fake_set_
 
 # Attributes the toolkit keeps on a fake; everything else in ``__dict__`` is
 # the user's (``_is_hf_initialized`` and the like) and survives materialization.

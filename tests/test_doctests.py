@@ -19,7 +19,6 @@ MODULES = [
     "deferinit.fake.gradmode",
     "deferinit.fake.calls",
     "deferinit.fake.subclass",
-    "deferinit.fake.storage_set",
     "deferinit.fake.assign",
     "deferinit.fake.reads",
     "deferinit.fake.compiling",

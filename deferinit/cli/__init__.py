@@ -1,14 +1,6 @@
 """The ``deferinit`` command line (also ``python -m deferinit``).
 
-Four commands::
-
-    deferinit inspect TARGET [ARG ...] [-k name=value ...] [--config FILE|DIR|MODEL_ID]
-                     [--device D] [--dtype T] [--shard N]
-    deferinit graph   TARGET [ARG ...] [...] -o FILE [--module M] [--depth N] [--expand]
-    deferinit plan    TARGET [ARG ...] [...] --batch BxS | --input SHAPE [--shard N] [--mixed-precision bf16]
-                     [--checkpointing] [--accumulate N] [--optimizer NAME] [--memory-timeline FILE.svg]
-    deferinit demo    [--size 70b|tiny] [--seed S] [-o FILE]
-
+``inspect``, ``graph``, ``plan`` and ``demo`` (docs/cli.md; ``--help``).
 ``TARGET`` is ``module:callable`` (``torch.nn:Transformer``,
 ``transformers:LlamaForCausalLM``, ``my_models.py:build``); ``ARG`` and the
 values of ``-k`` are Python literals (a bare word is a string).  The model is
@@ -28,10 +20,18 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 
-from . import commands
+import torch
+
+from .. import dot
+from ..text import fmt_seconds
+from .demo import run_demo
 from .errors import CommandError, ConstructorError, TargetError, UsageError, one_line
+from .report import format_report, summarize
+from .targets import build
 
 PROG = "deferinit"
 
@@ -51,6 +51,61 @@ def _plan(opts, out):
     from .plan import plan
 
     return plan(opts, out)
+
+
+def _inspect(opts, out) -> int:
+    if opts.shard is not None and opts.shard < 1:
+        raise UsageError(f"--shard must be at least 1, got {opts.shard}")
+    result, seconds, grown, call, dtype = build(opts)
+    if not isinstance(result, torch.nn.Module):
+        raise UsageError(f"{call} returned a {type(result).__name__}, not an nn.Module; inspect needs a module")
+    print(format_report(summarize(result), seconds, title=call, shard=opts.shard, grown=grown, dtype=dtype), file=out)
+    return 0
+
+
+def _check_output(path: str) -> None:
+    """Refuse an ``-o`` path that could not be written, before any work is done."""
+    fmt = os.path.splitext(path)[1].lower().lstrip(".")
+    if fmt not in dot.FORMATS:
+        raise UsageError(f"-o {path}: the extension must be one of " + ", ".join("." + f for f in dot.FORMATS))
+    if os.path.isdir(path):
+        raise UsageError(f"-o {path}: is a directory; give a file name, e.g. {os.path.join(path, 'graph.' + fmt)}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"-o {path}: the directory {folder} does not exist; create it first or write elsewhere")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"-o {path}: cannot write in {folder} (permission denied)")
+
+
+def _graph(opts, out) -> int:
+    _check_output(opts.output)
+    if opts.depth is not None and opts.depth < 0:
+        raise UsageError(f"--depth must be at least 0, got {opts.depth}")
+    result, seconds, _, call, _ = build(opts)
+    if not isinstance(result, (torch.nn.Module, torch.Tensor)):
+        raise UsageError(f"{call} returned a {type(result).__name__}; graph needs a module or a tensor")
+    t0 = time.perf_counter()
+    try:
+        graph = dot.to_dot(
+            result, module=opts.module, depth=opts.depth, expand=opts.expand,
+            legend=not opts.no_legend, rankdir=opts.rankdir,
+        )
+    except dot.GraphViewError as e:
+        raise UsageError(str(e)) from e
+    try:
+        path = dot.write(graph, opts.output)
+    except dot.GraphvizNotFoundError as e:
+        raise CommandError(str(e)) from e
+    except OSError as e:
+        raise CommandError(f"cannot write {opts.output}: {e.strerror or e}") from e
+    print(f"wrote {path} ({call} built deferred in {fmt_seconds(seconds)}, drawn in "
+          f"{fmt_seconds(time.perf_counter() - t0)})", file=out)
+    return 0
+
+
+def _demo(opts, out) -> int:
+    _check_output(opts.output)
+    return run_demo(size=opts.size, seed=opts.seed, output=opts.output, out=out)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -90,7 +145,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", parents=[common, target], help="build deferred and print parameter/memory statistics",
                        description="Build TARGET deferred and print its parameters, buffers and memory needs.")
     p.add_argument("--shard", type=int, metavar="N", help="also show per-device memory when fully sharded over N devices")
-    p.set_defaults(run=commands.inspect)
+    p.set_defaults(run=_inspect)
 
     p = sub.add_parser("graph", parents=[common, target], help="write the graphviz view of the record",
                        description="Build TARGET deferred and draw its record (.svg, .png, .pdf need Graphviz's dot; .dot does not).")
@@ -100,7 +155,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--expand", action="store_true", help="draw every repeated block instead of one marked xN")
     p.add_argument("--no-legend", action="store_true", help="leave out the legend")
     p.add_argument("--rankdir", default="LR", choices=["LR", "TB"], help="layout: left to right (default) or top to bottom")
-    p.set_defaults(run=commands.graph)
+    p.set_defaults(run=_graph)
 
     p = sub.add_parser("plan", parents=[common, target], help="measure one training step on fake devices (no memory)",
                        description="Build TARGET deferred and run one training step (forward, backward, optimizer "
@@ -140,7 +195,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("-o", "--output", default="deferinit-demo.svg", metavar="FILE",
                    help="where to write the graph (default deferinit-demo.svg)")
-    p.set_defaults(run=commands.demo)
+    p.set_defaults(run=_demo)
     return parser
 
 

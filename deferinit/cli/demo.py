@@ -15,7 +15,7 @@ from ..demo import SHAPES, Llama, eager_first_block
 from ..session import deferred_init, is_deferred
 from ..text import fmt_bytes, fmt_count, fmt_seconds
 from .report import format_report, summarize
-from .resources import peak_rss_bytes, rss_bytes
+from .targets import peak_rss_bytes, rss_bytes
 
 
 def run_demo(*, size: str = "70b", seed: int = 0, output: str = "deferinit-demo.svg", out=None) -> int:

@@ -1,19 +1,12 @@
 """``deferinit plan``: one training step of a deferred model, measured on fake devices.
 
-The command line of :mod:`deferinit.planning`: it parses the options, builds
-the model deferred, and prints and writes what the library measured.  A
-whole step (forward, loss, backward, the optimizer's step) runs inside
-``deferinit.fake.fake_mode`` on the device the model was built for
-(``cuda`` by default, fake on a machine without one) under PyTorch's
-``MemTracker`` and ``FlopCounterMode`` (:func:`deferinit.planning.plan_step`).
-With ``--shard N`` the model is first sharded with FSDP2 over ``N`` ranks of
-PyTorch's fake process group (:func:`deferinit.planning.fake_ranks`) and the
-figures are one rank's, from ``FSDPMemTracker``.  The options of the
-training recipe (optimizer, mixed precision, activation checkpointing,
-gradient accumulation) make a :class:`deferinit.planning.Recipe`;
-``--memory-timeline`` and ``--memory-snapshot`` write the memory over time
-(:mod:`deferinit.planning.picture`, :mod:`deferinit.planning.timeline`).
-Nothing is allocated.
+The command line of :mod:`deferinit.planning` (which describes the step it
+measures): it parses the options, builds the model deferred on the device
+asked for (``cuda`` by default, fake on a machine without one), makes a
+:class:`deferinit.planning.Recipe` of the training options, shards with
+FSDP2 over ``--shard N`` ranks of :func:`deferinit.planning.fake_ranks`,
+and prints and writes what :func:`deferinit.planning.plan_step` measured
+(``--memory-timeline``, ``--memory-snapshot``).  Nothing is allocated.
 
 Example::
 

@@ -1,6 +1,7 @@
 """Building what the command line names: ``TARGET`` (``module:callable`` or
 ``file.py:callable``), its arguments as Python literals, a transformers
-config, a dtype and a device, all deferred."""
+config, a dtype and a device, all deferred; and the resident memory of this
+process, which the command line and the demo report."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import importlib.util
 import inspect
 import os
 import re
+import resource
 import sys
 import time
 
@@ -19,11 +21,8 @@ import torch
 
 from ..session import deferred_init
 from ..text import dtype_name
-from .config import DTYPES, config_dtype, configured_callable, load_config
+from .config import DTYPES, config_dtype, configured_callable, load_config, signatures
 from .errors import ConstructorError, TargetError, UsageError, one_line
-from .resources import rss_bytes
-from .signatures import signatures
-
 
 
 def load_target(spec: str):
@@ -310,3 +309,30 @@ def build(opts):
     used = dtype_name(dtype if dtype is not None else torch.get_default_dtype())
     dtype_text = f"{used} ({why})" if why else f"{used} (PyTorch default)"
     return result, seconds, rss_bytes() - grown_from, call, dtype_text
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident memory of this process so far, in bytes.
+
+    Example::
+
+        >>> peak_rss_bytes() >= rss_bytes()
+        True
+    """
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def rss_bytes() -> int:
+    """The resident memory of this process now (Linux; elsewhere the peak), in bytes.
+
+    Example::
+
+        >>> before = rss_bytes(); m = deferred_init(Llama, LLAMA_70B); rss_bytes() - before < 2**30
+        True
+    """
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return peak_rss_bytes()

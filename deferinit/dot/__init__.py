@@ -1,21 +1,11 @@
 """The graphviz view of a record: ``to_dot(module_or_tensor)`` and ``write(dot, path)``.
 
 One drawn node per recorded op (``%12 aten.uniform_`` and its key scalars),
-one per parameter or buffer (qualified name, shape, dtype, device), submodules
-as clusters.  Factory ops, random ops, in-place writes and views are drawn
-distinctly, and a legend says how:
-
-* fill colour: factory/constant (blue), random (gold), in-place write (red),
-  view (grey), other computation (white), outside tensor (grey cylinder),
-  opaque Python initialiser (violet);
-* edges: a solid arrow is a read, a thick red arrow the tensor an op writes
-  in place, a dashed arrow the base of a view, a dotted arrow the generator
-  state a random op continues from.
-
-Big models stay readable: structurally identical siblings in a
-``ModuleList``/``Sequential`` (the 80 decoder layers of a 70B Llama) are drawn
-once, marked ``x80``, unless ``expand=True``; ``module="layers.3"`` draws one
-submodule; ``depth=N`` folds modules ``N`` levels down into one box each.
+one per parameter or buffer, submodules as clusters; colours and edge
+styles by kind, with a legend (docs/graph.md, "How to read it").  Identical
+siblings in a ``ModuleList``/``Sequential`` are drawn once, marked ``x80``,
+unless ``expand=True``; ``module="layers.3"`` draws one submodule;
+``depth=N`` folds modules ``N`` levels down into one box each.
 
 Example::
 

@@ -7,13 +7,11 @@ import torch
 
 from ..ir.graph import Input, Node
 from ..ir.plan import read_of
-from ..recorder import is_deferred_fake
 from ..wrappers import inner_tensors
 from ..text import dtype_name
 from ..view import Graph, data_closure, deferred_tensors, op_name, record_base
 from .drawing import Drawing, Item, common, parent, relative, within
-from .labels import node_label, scalars_text
-from .style import ALIAS_EDGE, RNG_EDGE, TENSOR_EDGE, VIEW_EDGE, WRITE_EDGE, category
+from .style import ALIAS_EDGE, RNG_EDGE, TENSOR_EDGE, VIEW_EDGE, WRITE_EDGE, category, node_label, scalars_text
 
 
 class GraphViewError(ValueError):

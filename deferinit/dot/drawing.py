@@ -9,7 +9,6 @@ names (``"layers.3.mlp"``, ``""`` for the root).
 from __future__ import annotations
 
 
-
 def parent(name: str) -> str:
     return name.rpartition(".")[0]
 
@@ -41,8 +40,6 @@ def relative(path: str, root: str) -> str:
     if not root:
         return path
     return path[len(root) + 1 :] if path != root else ""
-
-
 
 
 class Item:

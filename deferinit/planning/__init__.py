@@ -19,12 +19,7 @@ The same calls on a real model measure the real step.
   PyTorch's memory visualizer.
 
 ``deferinit plan`` (:mod:`deferinit.cli.plan`) is this library's command
-line; docs/planning.md explains the figures.  The modules: ``step`` (the
-step under the trackers, its inputs and loss), ``recipe``, ``trackers``
-(PyTorch's trackers with a cheaper per-operator path), ``foreach`` (foreach
-calls over DTensors in chunks), ``process_group`` (the fake process group),
-``timeline``, ``picture`` and ``report`` (the text ``deferinit plan``
-prints).
+line; docs/planning.md explains the figures, docs/design.md maps the modules.
 
 Example (a deferred Llama, float32 master weights, bf16 compute with FSDP2
 over 2 fake ranks of fake CUDA devices; nothing is allocated)::

@@ -3,27 +3,11 @@ activation checkpointing, gradient accumulation, FSDP2 sharding.
 
 Each is applied the way people apply it to a real model, with PyTorch's
 (or transformers') own tools, so the trackers measure what the real step
-would allocate:
-
-* **optimizer**: any ``torch.optim`` class by name (``adamw``, ``sgd``,
-  ``rmsprop``...) or ``module:Class``, with keyword arguments, whose step
-  computes on tensors (one that reads values, as Adafactor does, cannot
-  step on fakes);
-  ``foreach`` defaults to what PyTorch picks for real tensors on the device
-  (the fakes' type would otherwise make it pick the for-loop);
-* **mixed precision** with fp32 master weights: the parameters stay as
-  built (float32), and the forward pass runs under ``torch.autocast`` with
-  the lower dtype, or, sharded, FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)``
-  (gathered parameters and compute in the lower dtype, gradients reduced
-  in fp32, the optimizer on the fp32 shards);
-* **activation checkpointing** of each block: transformers' own
-  ``activation_checkpointing_enable()`` (``gradient_checkpointing_enable()``
-  before transformers 5) where the model has it, else
-  PyTorch's composable ``torch.distributed._composable.checkpoint`` on
-  each block of every ``nn.ModuleList`` (the blocks FSDP2 wraps);
-* **gradient accumulation**: ``accumulate`` forward and backward passes
-  before the optimizer's step (see :func:`deferinit.planning.step.measure_step`).
+would allocate (docs/planning.md, "The recipe people train with", says
+which tool for each).  ``foreach`` defaults to what PyTorch picks for real
+tensors on the device (the fakes' type would otherwise make it pick the
+for-loop); an optimizer whose step reads values (as Adafactor does) cannot
+step on fakes.
 
 :func:`plan_step` applies a :class:`Recipe` and measures the step.
 """
