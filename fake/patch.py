@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+from .compiling import forget_cached
 from .locking import locked
 from .replaced import entry
 
@@ -139,6 +140,8 @@ class SharedPatch:
             elif ours is not None and original is not _MISSING:
                 _rewrap(current, ours, original)
             del self._saved[name]
+        if self._made is not None:
+            forget_cached(self._made)
 
     def originals(self) -> dict:
         """``{name: what it was}`` for the attributes replaced now (empty when none is).
@@ -239,14 +242,16 @@ def _rewrap(current, ours, original) -> None:
     """A wrapper another library made of ours while it was in place (``functools.wraps``
     over a closure: torch._dynamo's import wraps ``torch.manual_seed``) wraps the
     original once ours is gone, as it would have without us; any other is left as is."""
-    if getattr(current, "__wrapped__", None) is not ours:
-        return
-    cells = [c for c in getattr(current, "__closure__", None) or () if _holds(c, ours)]
-    if not cells:
+    # Idempotent, step by step: a settle after an interrupt finishes it.
+    wraps_ours = getattr(current, "__wrapped__", None) is ours
+    closure = getattr(current, "__closure__", None) or ()
+    cells = [c for c in closure if _holds(c, ours)]
+    if not cells and not (wraps_ours and any(_holds(c, original) for c in closure)):
         return
     for cell in cells:
         cell.cell_contents = original
-    current.__wrapped__ = original
+    if wraps_ours:
+        current.__wrapped__ = original
     copied = getattr(current, "__dict__", {})
     kept = getattr(original, "__dict__", {})
     for key, value in list(getattr(ours, "__dict__", {}).items()):

@@ -195,6 +195,27 @@ def test_dynamo_imported_while_a_deferral_is_pending_wraps_torch_manual_seed_as_
     assert deferred.split() == eager.split(), deferred
 
 
+def test_torch_compile_after_an_optimizer_made_on_a_deferred_model_traces_as_eagerly():
+    """Making an optimizer imports torch._dynamo, whose trace rules cache the
+    objects torch's names hold: with a deferral pending, our diverted random
+    functions.  After materialization dynamo skipped ``torch.randn`` (one graph
+    break more than eagerly, for the rest of the process); the caches holding
+    ours are now cleared when ours go."""
+    body = """
+    from torch._dynamo.utils import counters
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert "torch._dynamo" in sys.modules
+    {materialize}
+    def f(x):
+        return m(x) + torch.randn(4)
+    torch.compile(f, backend="eager")(torch.zeros(4))
+    print(sum(counters["graph_break"].values()), sum(counters["frames"].values()))
+    """
+    eager = isolated("m = nn.Linear(4, 4)\n" + textwrap.dedent(body).format(materialize=""))
+    deferred = isolated("m = deferred_init(nn.Linear, 4, 4)\n" + textwrap.dedent(body).format(materialize="materialize_module(m)"))
+    assert deferred.split() == eager.split(), (deferred, eager)
+
+
 def test_snapshot_sees_a_replaced_attribute_and_an_unlisted_one():
     """The comparison can fail: a replaced attribute, a module's class and a mode
     are seen, and an attribute the table does not list is reported as such."""
@@ -239,3 +260,50 @@ def test_the_design_note_lists_every_replacement():
             for name in entry.names:
                 assert f"`{name}`" in section, name
         assert entry.until in section, entry.until
+
+
+def test_a_wrapper_made_of_a_replacement_wraps_the_original_once_it_goes():
+    """What torch._dynamo's import does to ``torch.manual_seed``, on a module of
+    our own: a ``functools.wraps`` wrapper made of our replacement while it
+    stood calls the original after release (also when a first release was
+    interrupted half way: the next settle finishes it); a wrapper of another
+    kind is left alone."""
+    import functools
+    import types
+
+    from deferinit.fake.patch import SharedPatch, _rewrap
+
+    def original(x):
+        return ("original", x)
+
+    mod = types.ModuleType("lib")
+    patch = SharedPatch("trunc normal", "torch.nn.init", lambda: mod,
+                        lambda m: {"_no_grad_trunc_normal_": lambda x: ("ours", x)})
+    # The table allows only _no_grad_trunc_normal_: use that name for the module's function.
+    mod._no_grad_trunc_normal_ = original
+    with patch.held():
+        ours = mod._no_grad_trunc_normal_
+        assert ours(1) == ("ours", 1)
+        inner = functools.wraps(ours)(lambda *a, _fn=None: None)  # not a closure: left alone
+        fn = ours
+
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return ("wrapped",) + fn(*args)
+
+        mod._no_grad_trunc_normal_ = wrapper
+    assert mod._no_grad_trunc_normal_ is wrapper
+    assert wrapper(2) == ("wrapped", "original", 2) and wrapper.__wrapped__ is original
+    _rewrap(inner, ours, original)
+    assert inner.__wrapped__ is ours
+
+    # Interrupted half way (cells re-pointed, __wrapped__ not yet): finished on the next pass.
+    fn = ours
+
+    @functools.wraps(fn)
+    def again(*args):
+        return fn(*args)
+
+    again.__closure__[0].cell_contents = original
+    _rewrap(again, ours, original)
+    assert again.__wrapped__ is original and again(3) == ("original", 3)
