@@ -108,3 +108,40 @@ def _functions_of(values, module_name: str):
             continue
         if callable(value) and getattr(value, "__module__", None) == module_name:
             yield value
+
+
+def forget_cached(replacements) -> None:
+    """Clear torch.compile's caches of torch's functions that hold one of ours.
+
+    Dynamo looks torch's functions and ``torch.Tensor``'s methods up once
+    (``trace_rules``: which are ops, which are skipped) and keeps the objects
+    the names held then; its import does it, and creating an optimizer imports
+    it, often while a deferred model waits with torch's random functions
+    diverted.  Once ours are taken away, a cache holding them would make
+    dynamo skip ``torch.randn`` for good (a graph break).  Cleared with
+    dynamo's own ``clear_lru_cache``, only where a cache holds ours; rebuilt
+    at the next compile.
+
+    Example::
+
+        >>> forget_cached({"randn": object()})   # nothing cached holds it
+    """
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    caches = [getattr(rules, name, None) for name in ("get_torch_obj_rule_map", "get_tensor_method")]
+    clear = getattr(rules, "clear_lru_cache", None)
+    if clear is None or not all(hasattr(fn, "cache_info") for fn in caches):
+        return  # no dynamo, or one whose caches are not these
+    ours = list(replacements.values())
+    if any(fn.cache_info().currsize and _holds_any(fn(), ours) for fn in caches):
+        clear()
+
+
+def _holds_any(cache, values) -> bool:
+    for value in values:
+        try:
+            if value in cache:
+                return True
+        except TypeError:  # unhashable: no cache keyed by objects holds it
+            continue
+    return False
+

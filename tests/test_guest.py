@@ -163,6 +163,59 @@ def test_torch_compile_of_plain_data_assignment_works_once_no_fake_is_alive():
     assert "ok" in out
 
 
+def test_dynamo_imported_while_a_deferral_is_pending_wraps_torch_manual_seed_as_without_us():
+    """torch._dynamo's import wraps ``torch.manual_seed`` in ``_disable_dynamo`` only
+    if it is ``torch.random.manual_seed`` (the same object), and often runs while a
+    deferred model waits (``torch.optim``, ``torch.compile``).  Our diversions of
+    the two names were two objects, so dynamo left it unwrapped, and putting
+    torch's back left the process without dynamo's wrapper for good (torch.compile
+    of a function calling ``torch.manual_seed`` traced 23 frames instead of 2).
+    Now one diverted object serves both names, and dynamo's wrapper of it wraps
+    torch's function again once we are gone: as in a process without deferinit."""
+    eager = isolated("""
+    import torch._dynamo
+    print(torch.manual_seed is not torch.random.manual_seed,
+          torch.manual_seed.__wrapped__ is torch.random.manual_seed)
+    """)
+    deferred = isolated("""
+    m = deferred_init(nn.Linear, 2, 2)
+    import torch._dynamo
+    materialize_module(m)
+    del m
+    gc.collect()
+    print(torch.manual_seed is not torch.random.manual_seed,
+          torch.manual_seed.__wrapped__ is torch.random.manual_seed)
+    assert not hasattr(torch.manual_seed, "__deferinit_original__")
+    _ = torch.manual_seed(3)
+    a = torch.rand(2)
+    _ = torch.random.manual_seed(3)
+    assert torch.equal(a, torch.rand(2))
+    """)
+    assert eager.split() == ["True", "True"], eager
+    assert deferred.split() == eager.split(), deferred
+
+
+def test_torch_compile_after_an_optimizer_made_on_a_deferred_model_traces_as_eagerly():
+    """Making an optimizer imports torch._dynamo, whose trace rules cache the
+    objects torch's names hold: with a deferral pending, our diverted random
+    functions.  After materialization dynamo skipped ``torch.randn`` (one graph
+    break more than eagerly, for the rest of the process); the caches holding
+    ours are now cleared when ours go."""
+    body = """
+    from torch._dynamo.utils import counters
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert "torch._dynamo" in sys.modules
+    {materialize}
+    def f(x):
+        return m(x) + torch.randn(4)
+    torch.compile(f, backend="eager")(torch.zeros(4))
+    print(sum(counters["graph_break"].values()), sum(counters["frames"].values()))
+    """
+    eager = isolated("m = nn.Linear(4, 4)\n" + textwrap.dedent(body).format(materialize=""))
+    deferred = isolated("m = deferred_init(nn.Linear, 4, 4)\n" + textwrap.dedent(body).format(materialize="materialize_module(m)"))
+    assert deferred.split() == eager.split(), (deferred, eager)
+
+
 def test_snapshot_sees_a_replaced_attribute_and_an_unlisted_one():
     """The comparison can fail: a replaced attribute, a module's class and a mode
     are seen, and an attribute the table does not list is reported as such."""
@@ -207,3 +260,50 @@ def test_the_design_note_lists_every_replacement():
             for name in entry.names:
                 assert f"`{name}`" in section, name
         assert entry.until in section, entry.until
+
+
+def test_a_wrapper_made_of_a_replacement_wraps_the_original_once_it_goes():
+    """What torch._dynamo's import does to ``torch.manual_seed``, on a module of
+    our own: a ``functools.wraps`` wrapper made of our replacement while it
+    stood calls the original after release (also when a first release was
+    interrupted half way: the next settle finishes it); a wrapper of another
+    kind is left alone."""
+    import functools
+    import types
+
+    from deferinit.fake.patch import SharedPatch, _rewrap
+
+    def original(x):
+        return ("original", x)
+
+    mod = types.ModuleType("lib")
+    patch = SharedPatch("trunc normal", "torch.nn.init", lambda: mod,
+                        lambda m: {"_no_grad_trunc_normal_": lambda x: ("ours", x)})
+    # The table allows only _no_grad_trunc_normal_: use that name for the module's function.
+    mod._no_grad_trunc_normal_ = original
+    with patch.held():
+        ours = mod._no_grad_trunc_normal_
+        assert ours(1) == ("ours", 1)
+        inner = functools.wraps(ours)(lambda *a, _fn=None: None)  # not a closure: left alone
+        fn = ours
+
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return ("wrapped",) + fn(*args)
+
+        mod._no_grad_trunc_normal_ = wrapper
+    assert mod._no_grad_trunc_normal_ is wrapper
+    assert wrapper(2) == ("wrapped", "original", 2) and wrapper.__wrapped__ is original
+    _rewrap(inner, ours, original)
+    assert inner.__wrapped__ is ours
+
+    # Interrupted half way (cells re-pointed, __wrapped__ not yet): finished on the next pass.
+    fn = ours
+
+    @functools.wraps(fn)
+    def again(*args):
+        return fn(*args)
+
+    again.__closure__[0].cell_contents = original
+    _rewrap(again, ours, original)
+    assert again.__wrapped__ is original and again(3) == ("original", 3)
