@@ -10,17 +10,13 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from deferinit import deferred_init
+from deferinit import deferred_init, is_deferred
 from deferinit.materialize import load_checkpoint, materialize_module, materialize_tensor
 from helpers import assert_same_tensors
 
 
-def _orders(m):
-    """Materialization orders: all at once; each submodule then the rest; tensor by tensor, reversed."""
-    return m
-
-
 def _mat(m, order):
+    """All at once; each child (last first) then the rest; tensor by tensor, last first."""
     if order == "all":
         materialize_module(m)
     elif order == "children":
@@ -160,16 +156,12 @@ def test_load_checkpoint_among_draws(keys, order, tmp_path):
     save_file(sd, path)
 
     def load(m):
-        if isinstance(m.a.weight, torch.Tensor) and deferinit_is_deferred(m.a.weight):
+        # Deferred: the file, read lazily; eager: the same values.
+        if is_deferred(m):
             load_checkpoint(m, path, strict=False)
         else:
             m.load_state_dict(sd, strict=False)
     _compare(_Gens, load, order)
-
-
-def deferinit_is_deferred(t):
-    from deferinit import is_deferred
-    return is_deferred(t)
 
 
 class _Reads(nn.Module):
