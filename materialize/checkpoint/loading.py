@@ -36,6 +36,7 @@ from .errors import CheckpointError, CheckpointReadError
 from .blocks import local_block
 from .capture import is_dtensor, storage_key
 from .entries import MemorySource, read_now
+from .files import Source
 from .sources import DeferredValue
 from .undo import Guard, keep, put_back
 
@@ -124,6 +125,8 @@ class Load:
             raise CheckpointError(
                 f"cannot load the deferred state dict value {key!r} into a real tensor; materialize it first."
             )
+        if isinstance(entry.source, Source):
+            entry.source.need(entry)  # what this rank reads is checked now, and only that
         self.entry = entry
         self.staged = None
         self.backup = None
