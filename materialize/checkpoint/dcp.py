@@ -89,21 +89,22 @@ def chunk_layout(f, start: int, length: int, what: str) -> ChunkLayout:
     return ChunkLayout(obj.dtype, record, offset, tuple(obj.shape), tuple(strides), start, length)
 
 
-def _read_layouts(path: str, key: str, layout, indices, identities: dict) -> dict:
-    """``i -> ChunkLayout`` of the chunks ``indices`` of ``key`` (``layout``: its
-    metadata), each checked against what the metadata says; the files noted in ``identities``."""
-    dtype, _, chunks, _ = layout
+def _read_layouts(path: str, wanted: dict, layouts: dict, identities: dict) -> dict:
+    """``key -> {i: ChunkLayout}`` of the chunks ``wanted`` (``key -> indices``;
+    ``layouts``: what the metadata says of each key), each checked against the
+    metadata, each file opened once; the files noted in ``identities``."""
     by_file: dict = {}
-    for i in indices:
-        by_file.setdefault(chunks[i].file, []).append(i)
-    found = {}
+    for key, indices in wanted.items():
+        for i in indices:
+            by_file.setdefault(layouts[key][2][i].file, []).append((key, i))
+    found: dict = {}
     for name, items in by_file.items():
         full = os.path.join(path, name)
         with open_regular(full) as f:
             st = os.fstat(f.fileno())
             identities[full] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            for i in items:
-                chunk = chunks[i]
+            for key, i in items:
+                dtype, chunk = layouts[key][0], layouts[key][2][i]
                 what = f"{key!r} of {path}: the chunk at bytes {chunk.start}..{chunk.start + chunk.length} of {full}"
                 try:
                     lay = chunk_layout(f, chunk.start, chunk.length, "its tensor")
@@ -113,7 +114,7 @@ def _read_layouts(path: str, key: str, layout, indices, identities: dict) -> dic
                     raise CheckpointError(
                         f"{what} holds {list(lay.sizes)} {lay.dtype}, the metadata says {list(chunk.sizes)} {dtype}."
                     )
-                found[i] = lay
+                found.setdefault(key, {})[i] = lay
     return found
 
 
@@ -156,27 +157,42 @@ class DcpCheckpoint(Source):
             for key, info in tensors(meta, self.path).items()
         }
 
-    def need(self, entry) -> None:
-        """Read the layout of every chunk the elements of ``entry`` meet (a rank's
-        block meets its own chunks only: the other ranks' are never opened)."""
-        if math.prod(entry.shape):
-            shape = self.layouts[entry.key][1]
-            box = as_box(entry.offset, entry.shape, entry.strides, shape) or slab(entry.offset, entry.shape, entry.strides, shape)
-            self._chunk_layouts(entry.key, box, CheckpointError)
+    def need(self, entries) -> None:
+        """Read the layout of every chunk the elements of ``entries`` meet (a rank's
+        blocks meet its own chunks only: the other ranks' are never opened)."""
+        wanted: dict = {}
+        for entry in entries:
+            _, shape, chunks, _ = self.layouts[entry.key]
+            if entry.shape == shape and entry.offset == 0 and entry.strides == contiguous_strides(shape):
+                wanted.setdefault(entry.key, set()).update(range(len(chunks)))  # the whole tensor
+            elif math.prod(entry.shape):
+                box = as_box(entry.offset, entry.shape, entry.strides, shape) or slab(
+                    entry.offset, entry.shape, entry.strides, shape)
+                wanted.setdefault(entry.key, set()).update(self._meeting(entry.key, box))
+        self._read(wanted, CheckpointError)
 
-    def _chunk_layouts(self, key: str, box, error) -> list:
-        """``(chunk, ChunkLayout)`` of each chunk of ``key`` meeting ``box``, each
-        layout read once (from ``need``, or else when a read first meets it)."""
-        chunks = self.layouts[key][2]
-        meets = [i for i, c in enumerate(chunks) if intersect(*box, c.offsets, c.sizes) is not None]
-        known = self.chunks.get(key, {})
-        if any(i not in known for i in meets):
-            identities: dict = {}
-            found = self.reading(error, _read_layouts, self.path, key, self.layouts[key],
-                                 [i for i in meets if i not in known], identities)
-            for name, ident in identities.items():
-                self.identities.setdefault(name, ident)  # a file changed since another key's read: check() sees it
-            known = self.chunks[key] = {**known, **found}
+    def _meeting(self, key: str, box) -> list:
+        return [i for i, c in enumerate(self.layouts[key][2]) if intersect(*box, c.offsets, c.sizes) is not None]
+
+    def _read(self, wanted: dict, error) -> None:
+        """Read the layouts of the chunks ``wanted`` (``key -> indices``) not read yet."""
+        missing = {key: sorted(set(indices) - self.chunks.get(key, {}).keys()) for key, indices in wanted.items()}
+        missing = {key: indices for key, indices in missing.items() if indices}
+        if not missing:
+            return
+        identities: dict = {}
+        found = self.reading(error, _read_layouts, self.path, missing, self.layouts, identities)
+        for name, ident in identities.items():
+            self.identities.setdefault(name, ident)  # a file changed since another key's read: check() sees it
+        for key, layouts in found.items():
+            self.chunks[key] = {**self.chunks.get(key, {}), **layouts}
+
+    def _chunk_layouts(self, key: str, box) -> list:
+        """``(chunk, ChunkLayout)`` of each chunk of ``key`` meeting ``box``; a layout
+        not read by :meth:`need` is read now (a read while materializing)."""
+        meets = self._meeting(key, box)
+        self._read({key: meets}, _ReadError)
+        chunks, known = self.layouts[key][2], self.chunks.get(key, {})
         return [(chunks[i], known[i]) for i in meets]
 
     def _reparse(self, key: str) -> tuple:
@@ -184,8 +200,9 @@ class DcpCheckpoint(Source):
         now, identities = super()._reparse(key)
         if now != self.layouts[key]:
             return None, identities
-        read = sorted(self.chunks.get(key, ()))
-        return (now, self.reading(CheckpointReadError, _read_layouts, self.path, key, now, read, identities)), identities
+        read = {key: sorted(self.chunks.get(key, ()))}
+        again = self.reading(CheckpointReadError, _read_layouts, self.path, read, {key: now}, identities)
+        return (now, again.get(key, {})), identities
 
     def _layout(self, key: str):
         return self.layouts[key], self.chunks.get(key, {})
@@ -218,7 +235,7 @@ class DcpCheckpoint(Source):
     def _read_box(self, box, dst, via, entry) -> int:
         start, sizes = box
         work: dict = {}
-        for chunk, lay in self._chunk_layouts(entry.key, box, _ReadError):
+        for chunk, lay in self._chunk_layouts(entry.key, box):
             work.setdefault(chunk.file, []).append((chunk, lay, intersect(start, sizes, chunk.offsets, chunk.sizes)))
         done = 0
         for name, items in work.items():

@@ -87,8 +87,8 @@ class Source:
     def describe(self) -> str:
         return self.path
 
-    def need(self, entry) -> None:
-        """Read now what reading ``entry`` (a whole tensor or a block of one) will
+    def need(self, entries) -> None:
+        """Read now what reading ``entries`` (whole tensors or blocks of them) will
         need, so that ``load_checkpoint`` refuses it; a file's header is read at once."""
 
     def check(self, entry) -> None:

@@ -125,8 +125,6 @@ class Load:
             raise CheckpointError(
                 f"cannot load the deferred state dict value {key!r} into a real tensor; materialize it first."
             )
-        if isinstance(entry.source, Source):
-            entry.source.need(entry)  # what this rank reads is checked now, and only that
         self.entry = entry
         self.staged = None
         self.backup = None
@@ -211,9 +209,18 @@ class Loader:
         # Loads copied from tensors in memory, by the memory they read (see
         # source_written): real ones still pending, deferred ones kept by reference.
         self._readers: dict = {}
+        self.sources: dict = {}  # id -> (file source, the entries of its loads)
+
+    def need(self) -> None:
+        """What the loads will read, read and checked now, after the walk (not under
+        its dispatch mode), each source at once: a rank's blocks, not the whole files."""
+        for source, entries in self.sources.values():
+            source.need(entries)
 
     def add(self, key: str, tensor: torch.Tensor, entry) -> None:
         load = Load(key, tensor, entry)
+        if isinstance(load.entry.source, Source):
+            self.sources.setdefault(id(load.entry.source), (load.entry.source, []))[1].append(load.entry)
         if isinstance(load.entry.source, MemorySource):
             self._readers.setdefault(load.entry.source.memory_key(), []).append(load)
         if load.deferred:
