@@ -7,8 +7,15 @@ saving rank held: offsets and sizes), and where each chunk is stored
 (:mod:`.dcp_metadata`); each chunk is a ``torch.save`` archive inside a
 ``.distcp`` file, read as ``dcp.load`` reads it (``torch.load`` of the
 file's stretch), by the reader of every archive (:mod:`.archive`): nothing
-but its header.  Opening the directory reads the metadata and every
-chunk's header, nothing else.
+but its header.  Opening the directory reads and checks the whole metadata;
+a chunk's header (its layout) is read and checked once, when a load first
+needs it: ``load_checkpoint`` reads, after the module's walk, those of the
+chunks its loads meet (a rank loading after sharding, its own blocks'
+chunks only, never the other ranks', as ``dcp.load``'s plan reads only the
+chunks its state dict meets; a whole tensor, all of its chunks), so that
+they are refused there with :class:`CheckpointError`; a read while
+materializing that meets a chunk not read yet reads it then, refused with
+:class:`CheckpointReadError` as a file cut short is.
 
 :class:`DcpCheckpoint` is a :class:`~.files.Source`: each tensor is an
 :class:`Entry` whose element space is the whole tensor in row-major order,

@@ -81,7 +81,7 @@ def test_fsdp2_saved_on_two_loaded_on_two(saved, order):
         assert not read[0] & read[1] and len(read[0] | read[1]) == chunk_count(path), read
     else:
         # Loaded whole before sharding: the whole tensors' chunks, as dcp.load
-        # into the unsharded model reads them (see docs/checkpoints.md).
+        # into the unsharded model reads them (docs/guide.md, distributed checkpoints).
         assert all(len(s) == chunk_count(path) for s in read), read
 
 
