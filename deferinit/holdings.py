@@ -23,6 +23,7 @@ and they are held with it, under its kind.
 
 from __future__ import annotations
 
+import collections
 import functools
 import types
 
@@ -140,11 +141,16 @@ def _visit(item_name, value, depth, found, seen):
 
 def _attrs(owner_name, owner, depth, found, seen):
     d = getattr(owner, "__dict__", None)
-    if type(d) is not dict:
+    if type(d) is not dict or d.keys() <= INTERNAL_ATTRS:  # a fake's own bookkeeping only: most tensors
         return
     for key, value in list(d.items()):
         if key not in INTERNAL_ATTRS and not isinstance(value, _SCALARS):
             _visit(f"{owner_name}.{key}", value, depth, found, seen)
+
+
+# Exact types that hold no tensor (the first five), or none when empty.
+_EMPTY_OR_NOT = frozenset({bool, int, float, str, type(None)})
+_PLAIN = _EMPTY_OR_NOT | {dict, collections.OrderedDict, list, tuple, set}
 
 
 class _Walk:
@@ -160,6 +166,11 @@ class _Walk:
 
     def held(self, name: str, value) -> None:
         """What the module holds itself: tensors, and plain containers of them."""
+        if type(value) in _PLAIN:
+            # Most of a module's attributes (flags, sizes, empty hook maps):
+            # asked first, as a model of many small modules has millions.
+            if type(value) in _EMPTY_OR_NOT or not value:
+                return
         if isinstance(value, torch.Tensor):
             self.found.tensors.append((name, value, "attribute"))
         elif isinstance(value, _CONTAINERS):

@@ -56,6 +56,7 @@ class SharedPatch:
         self._lock = threading.RLock()
         self._holders: set = set()
         self._made: dict | None = None
+        self._made_from: dict = {}
         self._saved: dict = {}
         # Whether the last settle completed with the replacements in place.
         self._installed = False
@@ -101,28 +102,42 @@ class SharedPatch:
 
     def _install(self) -> None:
         module = self._module()
-        if self._made is None:
+        own = isinstance(module, type)  # a class's own attribute, not an inherited one
+        if self._made is None or self._moved(module, own):
+            # Made again when what is there changed since (a library wrapped it):
+            # the replacements wrap what is there now, not what was.
+            self._made_from = {}
             made = self._replacements(module)
             entry(self.key, self.owner, made)
+            self._made_from = {name: _value(module, name, own) for name in made}
             self._made = made
-        own = isinstance(module, type)  # a class's own attribute, not an inherited one
         for name, value in self._made.items():
-            current = vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
+            current = _value(module, name, own)
             if current is value:
                 continue
             self._saved.setdefault(name, current)
             setattr(module, name, value)
 
+    def _moved(self, module, own: bool) -> bool:
+        made = self._made
+        return any(
+            (current := _value(module, name, own)) is not was and current is not made[name]
+            for name, was in self._made_from.items()
+        )
+
     def _uninstall(self) -> None:
         module = self._module()
         own = isinstance(module, type)
         for name, original in reversed(list(self._saved.items())):
-            current = vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
-            if self._made is not None and current is self._made.get(name):
+            current = _value(module, name, own)
+            ours = self._made.get(name) if self._made is not None else None
+            if ours is not None and current is ours:
                 if original is _MISSING:
                     delattr(module, name)
                 else:
                     setattr(module, name, original)
+            elif ours is not None and original is not _MISSING:
+                _rewrap(current, ours, original)
             del self._saved[name]
 
     def originals(self) -> dict:
@@ -214,6 +229,36 @@ def _release_each(patches, holder) -> None:
 #: Every SharedPatch made, for :func:`all_patches`.
 _ALL: list = []
 _made_lock = threading.Lock()
+
+
+def _value(module, name: str, own: bool):
+    return vars(module).get(name, _MISSING) if own else getattr(module, name, _MISSING)
+
+
+def _rewrap(current, ours, original) -> None:
+    """A wrapper another library made of ours while it was in place (``functools.wraps``
+    over a closure: torch._dynamo's import wraps ``torch.manual_seed``) wraps the
+    original once ours is gone, as it would have without us; any other is left as is."""
+    if getattr(current, "__wrapped__", None) is not ours:
+        return
+    cells = [c for c in getattr(current, "__closure__", None) or () if _holds(c, ours)]
+    if not cells:
+        return
+    for cell in cells:
+        cell.cell_contents = original
+    current.__wrapped__ = original
+    copied = getattr(current, "__dict__", {})
+    kept = getattr(original, "__dict__", {})
+    for key, value in list(getattr(ours, "__dict__", {}).items()):
+        if key != "__wrapped__" and key not in kept and copied.get(key, _MISSING) is value:
+            del copied[key]  # functools.wraps copied our attributes onto it
+
+
+def _holds(cell, value) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def shared_patch(key: str, owner: str, module, replacements) -> SharedPatch:

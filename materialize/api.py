@@ -12,7 +12,7 @@ from deferinit.fake.locking import locked
 from deferinit.fake.tensor import is_fake
 from deferinit.holdings import attached, holdings
 from deferinit.recorder import is_deferred_fake
-from deferinit.wrappers import inner_tensors, wrapper_layers
+from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
 
 from .errors import AutogradMaterializationError
 from .pipeline import materialize
@@ -138,10 +138,12 @@ def _materialize_module(module, buffers_only, check_fn, device, inference, progr
 def _targets_then_replay(module, buffers_only, check_fn, device, inference, progress) -> None:
     # The targets are what is still deferred once no other thread is
     # materializing: tensors another call made real meanwhile are done.
-    targets, left, counted, wrappers = _module_targets(module, buffers_only, check_fn)
+    targets, left, counted, wrappers, wrapped = _module_targets(module, buffers_only, check_fn)
     if targets:
+        # The walk saw every parameter and buffer when no check_fn left modules out.
+        sharding = sharding_of(module, wrappers) if check_fn is not None or wrapped else None
         materialize(targets, device=device, inference=inference, progress=progress, kept_deferred=left,
-                    counted=counted, wrappers=wrappers, sharding=sharding_of(module, wrappers))
+                    counted=counted, wrappers=wrappers, sharding=sharding)
 
 
 def _script_slots(module) -> list:
@@ -187,7 +189,9 @@ def _module_targets(module, buffers_only, check_fn):
     ``{id(fake): name}`` of the parameters ``buffers_only`` leaves; the fakes
     progress counts: all but those other objects keep on the memory of a
     tensor the module holds (FSDP2's padded shards: aliases, not more work);
-    the wrapper subclasses to rebuild, innermost first."""
+    the wrapper subclasses to rebuild, innermost first; whether a parameter or
+    buffer of the modules walked is a wrapper subclass (see
+    :func:`~deferinit.materialize.sharded.sharding_of`)."""
     targets, left, wrappers = [], {}, []
     seen, seen_wrappers = set(), set()
     beyond = set()
@@ -201,8 +205,11 @@ def _module_targets(module, buffers_only, check_fn):
     lists = [[x for x in h.tensors if x[2] == "parameter"] + [x for x in h.tensors if x[2] != "parameter"]
              for _, h in held]
     lists += [[(name, t, "beyond") for name, t in h.beyond] for _, h in held]
+    wrapped = False
     for tensors in lists:
         for name, t, kind in tensors:
+            if not wrapped and kind in ("parameter", "buffer") and is_wrapper(t):
+                wrapped = True
             fakes = _fakes_of(t, name)
             if not fakes:
                 continue
@@ -222,7 +229,7 @@ def _module_targets(module, buffers_only, check_fn):
                     wrappers.append(w)
     own = {id(f._storage) for _, f in targets if id(f) not in beyond}
     counted = [f for _, f in targets if id(f) not in beyond or id(f._storage) not in own]
-    return targets, left, counted, wrappers
+    return targets, left, counted, wrappers, wrapped
 
 
 def _wrappers_of(t, name: str) -> list:

@@ -34,14 +34,14 @@ from deferinit.ir.plan import read_of
 
 from .errors import AutogradMaterializationError
 from .autograd import (
-    Binder, deferred_leaves, fresh_reads, leaf_token, needs_graph, real_root_of, same_memory, view_again,
+    Binder, deferred_leaves, fresh_reads, grad_fn_of, leaf_token, needs_graph, real_root_of, same_memory, view_again,
     with_fresh_graphs,
 )
 from .generators import committed_then_handed_over, records_of
 from .graphcheck import check_graph
 from .progress import start_progress
 from .replay import Replay
-from .swap import Swaps, dress
+from .swap import Swaps, dress, dress_leaf
 
 
 def materialize(targets, *, device=None, inference: bool = False, progress=False, counted=None,
@@ -72,7 +72,11 @@ def _run(hand, targets, device, inference, progress, counted, kept_deferred, wra
     """The steps (see :class:`~deferinit.materialize.generators.HandOver`); the
     fakes swapped out die with this frame."""
     # -- plan
-    graphs = any(needs_graph(fake) or real_root_of(fake) for _, fake in targets)
+    # A fake that is no view and has no grad_fn needs neither (most of them: asked first).
+    graphs = any(
+        (fake._is_view() or grad_fn_of(fake) is not None) and (needs_graph(fake) or real_root_of(fake))
+        for _, fake in targets
+    )
     binder = None
     if graphs and not inference:
         targets, binder = _with_leaves(targets, kept_deferred)
@@ -191,7 +195,13 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
 def _dressed(group, reals, inference, binder, retaken=()) -> list:
     """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
     pairs = []
+    # Most tensors are plain leaves made real as plain tensors (not views, no
+    # graph, not inference): nothing to check, dressed at once.
+    leaves = binder is None and not inference and not torch.is_inference_mode_enabled()
     for i, ((name, fake), real) in enumerate(zip(group, reals)):
+        if leaves and not fake._is_view() and not real._is_view() and fake.grad_fn is None and not fake.is_inference():
+            pairs.append((fake, dress_leaf(fake, real)))
+            continue
         made = binder.made_for(fake) if binder is not None else None
         if made is not None:
             if not same_memory(made, real):

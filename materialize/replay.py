@@ -101,6 +101,8 @@ class Replay:
         # keeps the computation's grad_fn): with graphs to rebuild, nothing
         # is eliminated.
         self.plan = Plan(targets, device=device, extra=extra, eliminate=autograd is None)
+        # How each node runs otherwise than recorded (plan.mode's table, asked once per node).
+        self._modes = self.plan.liveness.modes if self.plan.liveness is not None else {}
         self.device_map = self.plan.device_map
         if check_devices:
             self._check_devices()
@@ -132,10 +134,11 @@ class Replay:
         recorded (so that a missing or changed file fails the replay at once)."""
         plan = self.plan
         seen = set()
+        direct = plan.liveness.direct if plan.liveness is not None else {}
         for node in plan.order:
             load = node if node.kind == "load" else None
-            if load is None and plan.mode(node) == DIRECT:
-                load = plan.liveness.direct[id(node)][0]
+            if load is None and id(node) in direct:
+                load = direct[id(node)][0]
             if load is not None and id(load.payload) not in seen:
                 seen.add(id(load.payload))
                 load.payload.check()
@@ -154,9 +157,21 @@ class Replay:
         # Per node, the keys of the values it reads from this replay (worked
         # out once: the loop below frees each at its last use).
         read_keys = []
+        modes = self._modes
+        scratch = plan.liveness.scratch if plan.liveness is not None else {}
         for node in plan.order:
             keys = []
-            for x in reads(node):
+            # plan.reads(node), without two calls per node.
+            mode = modes.get(id(node))
+            if mode is None:
+                xs = [x for x in node.flat if type(x) is Input]
+            elif mode == ALLOC:
+                xs = ()
+            elif mode == DIRECT or mode == GENERATOR and id(node) in scratch:
+                xs = reads(node)
+            else:
+                xs = [x for x in node.flat if type(x) is Input]
+            for x in xs:
                 if not real_read(x):
                     value = x.value
                     key = value.key
@@ -221,7 +236,7 @@ class Replay:
     def run_node(self, node: Node, wanted) -> None:
         """Run one planned node: as its mode says (:mod:`deferinit.ir.liveness`), else as
         its kind says; ``wanted``: the positions of its outputs read later."""
-        mode = self.plan.mode(node)
+        mode = self._modes.get(id(node), RUN)
         if mode != RUN:
             if mode == ALLOC:
                 return self.alloc(node, wanted)

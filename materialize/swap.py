@@ -91,6 +91,27 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     return obj
 
 
+def dress_leaf(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """:func:`dress` of a fake that is a leaf, not a view and not an inference
+    tensor, made real outside inference mode as a tensor that is no view:
+    its common case, asked nothing else (a model of many small tensors).
+
+    Example::
+
+        >>> w = deferred_init(torch.nn.Linear, 2, 2).weight
+        >>> type(dress_leaf(w, torch.zeros(2, 2))).__name__
+        'Parameter'
+    """
+    d = fake.__dict__
+    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+    obj = _leaf(cls, real, fake.requires_grad and (real.is_floating_point() or real.is_complex()))
+    if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
+        for key, value in d.items():
+            if key not in INTERNAL_ATTRS:
+                obj.__dict__[key] = value
+    return obj
+
+
 def _leaf(cls, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     if cls is not None:
         # PyTorch's own, not the diversion torch.Tensor holds while fakes live

@@ -163,6 +163,38 @@ def test_torch_compile_of_plain_data_assignment_works_once_no_fake_is_alive():
     assert "ok" in out
 
 
+def test_dynamo_imported_while_a_deferral_is_pending_wraps_torch_manual_seed_as_without_us():
+    """torch._dynamo's import wraps ``torch.manual_seed`` in ``_disable_dynamo`` only
+    if it is ``torch.random.manual_seed`` (the same object), and often runs while a
+    deferred model waits (``torch.optim``, ``torch.compile``).  Our diversions of
+    the two names were two objects, so dynamo left it unwrapped, and putting
+    torch's back left the process without dynamo's wrapper for good (torch.compile
+    of a function calling ``torch.manual_seed`` traced 23 frames instead of 2).
+    Now one diverted object serves both names, and dynamo's wrapper of it wraps
+    torch's function again once we are gone: as in a process without deferinit."""
+    eager = isolated("""
+    import torch._dynamo
+    print(torch.manual_seed is not torch.random.manual_seed,
+          torch.manual_seed.__wrapped__ is torch.random.manual_seed)
+    """)
+    deferred = isolated("""
+    m = deferred_init(nn.Linear, 2, 2)
+    import torch._dynamo
+    materialize_module(m)
+    del m
+    gc.collect()
+    print(torch.manual_seed is not torch.random.manual_seed,
+          torch.manual_seed.__wrapped__ is torch.random.manual_seed)
+    assert not hasattr(torch.manual_seed, "__deferinit_original__")
+    _ = torch.manual_seed(3)
+    a = torch.rand(2)
+    _ = torch.random.manual_seed(3)
+    assert torch.equal(a, torch.rand(2))
+    """)
+    assert eager.split() == ["True", "True"], eager
+    assert deferred.split() == eager.split(), deferred
+
+
 def test_snapshot_sees_a_replaced_attribute_and_an_unlisted_one():
     """The comparison can fail: a replaced attribute, a module's class and a mode
     are seen, and an attribute the table does not list is reported as such."""

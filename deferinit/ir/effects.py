@@ -88,7 +88,18 @@ def is_load(node) -> bool:
 
 
 def is_view(node) -> bool:
-    return node.kind == "op" and not node.writes and op_info(node.target).view_arg is not None
+    if node.kind != "op" or node.writes:
+        return False
+    found = _VIEW_OPS.get(id(node.target))
+    if found is None:
+        found = _VIEW_OPS[id(node.target)] = (node.target, op_info(node.target).view_arg is not None)
+    return found[1]
+
+
+# id(op) -> (op, whether it makes a view): asked per node on records of many
+# tensors, and OpOverload's hash, which op_info's cache needs, is Python code
+# (the op is kept, so its id stays its own).
+_VIEW_OPS: dict = {}
 
 
 def contiguous(sizes, strides) -> bool:

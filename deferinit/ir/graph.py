@@ -220,7 +220,10 @@ class Value:
         # kernels may choose another one than CPU kernels do (zeros_like of
         # a permuted tensor): ignore it, or a real tensor would never be
         # recognised as its value and later views would lose their aliasing.
-        size = tuple(t.shape)
+        size = t.shape
+        if self.size == size and self.stride == t.stride():  # the common case, at once
+            return self.offset == t.storage_offset() and self.dtype == t.dtype
+        size = tuple(size)
         return (
             self.size == size
             and all(a == b or n == 1 for a, b, n in zip(self.stride, t.stride(), size))

@@ -32,6 +32,12 @@ remembered in this pass's own table (:func:`hidden_by_load`; the graph
 holds no analysis results): :mod:`deferinit.materialize.generators` does not
 replay them to reach the end of a stream.
 
+Two lanes skip the per-region bookkeeping where its answer is known: a
+target whose whole history is one factory call runs it as recorded, and
+one made by a factory and then one covering write that nothing else in the
+replay reads or writes (``empty`` then ``uniform_``, as ``nn.Linear`` makes
+its weight) runs the write and allocates the factory's output.
+
 Values whose storage is gone (temporaries nobody holds any more) and
 storages whose geometry changed in place (``t_()``, ``set_()``) are not
 analysed: their reads need their whole history, as before.
@@ -104,6 +110,84 @@ _NOT_OP = (False, False, False, False)
 def _factory(node) -> bool:
     """A call that reads and writes no recorded tensor (randn, empty, a constant)."""
     return not node.writes and not node.reshapes and Input not in map(type, node.flat)
+
+
+# Off only to compare the lane with the general scan (tests/deferinit/test_liveness_lanes.py).
+_FILL_LANE = True
+
+# id(op) -> (op, it returns one tensor).
+_ONE_OUTPUT: dict = {}
+
+
+def _one_output(op) -> bool:
+    found = _ONE_OUTPUT.get(id(op))
+    if found is None:
+        found = _ONE_OUTPUT[id(op)] = (op, type(op) is torch._ops.OpOverload and len(op._schema.returns) == 1)
+    return found[1]
+
+
+# id(op) -> (op, overwrites() of a call of it that writes its first argument).
+_OVERWRITING: dict = {}
+
+
+def _overwrites(write) -> bool:
+    """:func:`~deferinit.ir.effects.overwrites` of a write of ``(0,)`` that reshapes nothing."""
+    if write.kind == "opaque":
+        return True
+    if write.kind != "op":
+        return False
+    found = _OVERWRITING.get(id(write.target))
+    if found is None:
+        found = _OVERWRITING[id(write.target)] = (write.target, overwrites(write))
+    return found[1]
+
+
+def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
+    """The targets whose whole history is a factory call and then one write
+    that covers its output without reading it (``empty`` then ``uniform_``),
+    with nothing else in ``universe`` reading or writing that storage:
+    ``({id(write): write}, {id(factory): {index: value}})``, the writes run as
+    recorded, the factories only allocated (their contents are all hidden)."""
+    found = {}  # id(storage) -> (write, factory, value), or None: not in the lane
+    for inp in targets:
+        write = inp.version
+        if write is None:
+            continue
+        value = inp.value
+        storage = value._storage()
+        if storage is None:
+            continue
+        sid = id(storage)
+        if sid in found:
+            found[sid] = None  # two targets on one storage
+            continue
+        flat = write.flat
+        first = flat[0] if flat else None
+        factory = value.node
+        # Cheapest questions first; allocatable() and _factory() inlined (once per tensor).
+        found[sid] = (write, factory, value) if (
+            type(first) is Input and first.value is value and first.version is None
+            and write.writes == (0,) and not write.reshapes and factory.kind == "op"
+            and not factory.writes and not factory.reshapes and value.offset == 0 and 0 not in value.size
+            and _one_output(factory.target) and _overwrites(write) and Input not in map(type, flat[1:])
+            and Input not in map(type, factory.flat) and not real_read(inp) and Region.of(value).dense
+        ) else None
+    found = {k: v for k, v in found.items() if v is not None}
+    if not found:
+        return {}, {}
+    # How many reads of each of those storages the replay makes: the write's own only.
+    reads = dict.fromkeys(found, 0)
+    for sid in [
+        id(x.value._storage()) for node in universe.values() for x in node.flat if type(x) is Input
+    ]:
+        if sid in reads:
+            reads[sid] += 1
+    fills, allocated = {}, {}
+    for sid, (write, factory, value) in found.items():
+        if reads[sid] == 1:
+            fills[id(write)] = write
+            allocated[id(factory)] = {value.index: value}
+    return fills, allocated
 
 
 class Liveness:
@@ -245,10 +329,18 @@ class Liveness:
         # randn, a constant): nothing writes their storage, so that call is
         # live, run as recorded, whatever else is demanded of it.
         whole = set()
+        # The second lane: a factory whose output one write covers before
+        # anything else touches its storage (``empty`` then ``uniform_``, as
+        # nn.Linear makes its weight): the write runs, the factory only
+        # allocates (what the backward scan finds for them, without its
+        # bookkeeping per byte region).
+        fills, allocated = _filled(self.targets, self.universe, real_read) if _FILL_LANE else ({}, {})
         for inp in self.targets:
             value = inp.value
             if inp.version is None and 0 not in value.size and _factory(value.node) and not real_read(inp):
                 whole.add(id(value.node))
+                continue
+            if id(inp.version) in fills:
                 continue
             region = None
             if not real_read(inp):
@@ -262,8 +354,14 @@ class Liveness:
             nid = id(node)
             outs = objects.get(nid)
             seq = node.seq
-            if nid in whole:
+            if nid in whole or nid in fills:
                 live[nid] = node
+                continue
+            if nid in allocated:
+                live[nid] = node
+                if nid not in gen:
+                    modes[nid] = ALLOC
+                    allocs[nid] = allocated[nid]
                 continue
             view_op, view_only, elementwise, copy = _op_flags(node.target) if node.kind == "op" else _NOT_OP
             if not node.writes and not view_op and nid not in forced and Input not in map(type, node.flat):

@@ -186,7 +186,23 @@ class _DivertedModule(types.ModuleType):
 def _diverted(original, virtual, sets: bool, told):
     """``original`` in other threads (telling CHAINS when it sets a generator, and
     LINEAGE what it did: ``told(result, *args, **kwargs)``), ``virtual`` in the
-    recording thread."""
+    recording thread.  One function under two names (``torch.manual_seed`` is
+    ``torch.random.manual_seed``) stays one diverted function: code that asks
+    whether they are the same (torch._dynamo's import) gets torch's answer."""
+    key = (id(original), id(virtual))
+    made = _DIVERTED.get(key)
+    if made is not None and made[0] is original:
+        return made[1]
+    call = _divert(original, virtual, sets, told)
+    _DIVERTED[key] = (original, call)
+    return call
+
+
+# (id(original), id(virtual)) -> (original, its diverted function).
+_DIVERTED: dict = {}
+
+
+def _divert(original, virtual, sets: bool, told):
 
     @functools.wraps(original)
     def call(*args, **kwargs):
