@@ -13,6 +13,8 @@ keeps, and the random kernels that ran.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
@@ -115,6 +117,17 @@ def case_load(rank: int, world_size: int, model_name: str, layout: str, path: st
     with profile(activities=[ProfilerActivity.CPU]):
         pass  # the profiler's first start reads files of its own
 
+    # The chunks whose layout this rank reads (file's inode, position), while
+    # loading and materializing the deferred model.
+    from deferinit.materialize.checkpoint import dcp as source
+
+    layouts, chunk_layout = [], source.chunk_layout
+
+    def counted(f, start, length, what):
+        layouts.append((os.fstat(f.fileno()).st_ino, start))
+        return chunk_layout(f, start, length, what)
+
+    source.chunk_layout = counted
     torch.manual_seed(0)
     model = deferred_init(MODELS[model_name])
     headers = 0
@@ -131,6 +144,7 @@ def case_load(rank: int, world_size: int, model_name: str, layout: str, path: st
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         materialize_module(model)
     read = rchar() - before
+    source.chunk_layout = chunk_layout
     if is_deferred(model):
         raise AssertionError("materialize_module left deferred tensors")
     random = [e.name for e in prof.events() if any(k in e.name for k in RANDOM)]
@@ -151,7 +165,7 @@ def case_load(rank: int, world_size: int, model_name: str, layout: str, path: st
         for name, t in list(real.named_parameters()) + list(real.named_buffers()):
             if not torch.equal(_local(t), _local(expected[name])):
                 raise AssertionError(f"{name}: the real sharded model's tensor differs from dcp.load's")
-    return {"headers": headers, "read": read, "own": own_bytes(model), "random": random}
+    return {"headers": headers, "read": read, "own": own_bytes(model), "random": random, "layouts": layouts}
 
 
 def own_bytes(model: nn.Module) -> int:

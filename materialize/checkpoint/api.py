@@ -83,6 +83,7 @@ def _load(module, source, *, strict, prefix, rename) -> LoadResult:
     state = ModuleState(module)
     try:
         missing, unexpected, errors = walk(module, state_dict, metadata, Capture(standins, Targets(module), loader))
+        loader.need()
         name = leaked(module, standins)
         if name is not None:
             raise CheckpointError(

@@ -7,8 +7,15 @@ saving rank held: offsets and sizes), and where each chunk is stored
 (:mod:`.dcp_metadata`); each chunk is a ``torch.save`` archive inside a
 ``.distcp`` file, read as ``dcp.load`` reads it (``torch.load`` of the
 file's stretch), by the reader of every archive (:mod:`.archive`): nothing
-but its header.  Opening the directory reads the metadata and every
-chunk's header, nothing else.
+but its header.  Opening the directory reads and checks the whole metadata;
+a chunk's header (its layout) is read and checked once, when a load first
+needs it: ``load_checkpoint`` reads, after the module's walk, those of the
+chunks its loads meet (a rank loading after sharding, its own blocks'
+chunks only, never the other ranks', as ``dcp.load``'s plan reads only the
+chunks its state dict meets; a whole tensor, all of its chunks), so that
+they are refused there with :class:`CheckpointError`; a read while
+materializing that meets a chunk not read yet reads it then, refused with
+:class:`CheckpointReadError` as a file cut short is.
 
 :class:`DcpCheckpoint` is a :class:`~.files.Source`: each tensor is an
 :class:`Entry` whose element space is the whole tensor in row-major order,
@@ -44,7 +51,8 @@ from .archive import ArchiveError, Record, layout, read_archive
 from .copying import copy_strided
 from .dcp_metadata import METADATA, read_metadata, tensors
 from .entries import Entry, contiguous_strides
-from .files import Source, Window, identity, open_regular, open_to_read, record_reader
+from .errors import CheckpointReadError
+from .files import _NOTHING_CHANGED, Source, Window, identity, open_regular, open_to_read, record_reader
 
 
 def is_dcp_directory(path: str) -> bool:
@@ -88,6 +96,40 @@ def chunk_layout(f, start: int, length: int, what: str) -> ChunkLayout:
     return ChunkLayout(obj.dtype, record, offset, tuple(obj.shape), tuple(strides), start, length)
 
 
+def _read_layouts(path: str, wanted: dict, layouts: dict, identities: dict) -> dict:
+    """``key -> {i: ChunkLayout}`` of the chunks ``wanted`` (``key -> indices``;
+    ``layouts``: what the metadata says of each key), each checked against the
+    metadata, each file opened once; the files noted in ``identities``."""
+    by_file: dict = {}
+    for key, indices in wanted.items():
+        for i in indices:
+            by_file.setdefault(layouts[key][2][i].file, []).append((key, i))
+    found: dict = {}
+    for name, items in by_file.items():
+        full = os.path.join(path, name)
+        with open_regular(full) as f:
+            st = os.fstat(f.fileno())
+            identities[full] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            for key, i in items:
+                dtype, chunk = layouts[key][0], layouts[key][2][i]
+                what = f"{key!r} of {path}: the chunk at bytes {chunk.start}..{chunk.start + chunk.length} of {full}"
+                try:
+                    lay = chunk_layout(f, chunk.start, chunk.length, "its tensor")
+                except ArchiveError as e:
+                    raise CheckpointError(f"{what} is not a torch.save archive torch.load reads: {e}.") from None
+                if lay.dtype != dtype or lay.sizes != chunk.sizes:
+                    raise CheckpointError(
+                        f"{what} holds {list(lay.sizes)} {lay.dtype}, the metadata says {list(chunk.sizes)} {dtype}."
+                    )
+                found.setdefault(key, {})[i] = lay
+    return found
+
+
+def _ReadError(message: str) -> CheckpointReadError:
+    """A chunk first read while materializing: refused as a file cut short is."""
+    return CheckpointReadError(f"{message}{_NOTHING_CHANGED}")
+
+
 class DcpCheckpoint(Source):
     """One checkpoint directory: its tensors' layouts, and the identity of its files."""
 
@@ -95,6 +137,7 @@ class DcpCheckpoint(Source):
 
     def __init__(self, path: str):
         super().__init__(path)
+        self.chunks: dict = {}  # key -> {chunk's index: ChunkLayout}: the chunks whose layout was read
         if not os.path.lexists(os.path.join(self.path, METADATA)):
             raise CheckpointError(
                 f"{self.path} has per-rank metadata files (__<rank>.metadata, a save without "
@@ -106,41 +149,70 @@ class DcpCheckpoint(Source):
         return f"the distributed checkpoint {self.path}"
 
     def files(self, key: str) -> list:
-        return [os.path.join(self.path, METADATA)] + [
-            os.path.join(self.path, chunk.file) for chunk, _ in self.layouts[key][2]]
+        chunks = self.layouts[key][2]
+        return [os.path.join(self.path, METADATA)] + sorted(
+            {os.path.join(self.path, chunks[i].file) for i in self.chunks.get(key, ())})
 
     def _parse(self, identities: dict) -> dict:
         identities[os.path.join(self.path, METADATA)] = identity(os.path.join(self.path, METADATA))
         meta = read_metadata(self.path)
         save_id = getattr(vars(meta).get("storage_meta"), "save_id", None)
-        infos = tensors(meta, self.path)
-        by_file: dict = {}
-        for key, info in infos.items():
-            for i, chunk in enumerate(info.chunks):
-                by_file.setdefault(chunk.file, []).append((key, i, chunk))
-        found = {key: [None] * len(info.chunks) for key, info in infos.items()}
-        for name, items in by_file.items():
-            full = os.path.join(self.path, name)
-            with open_regular(full) as f:
-                st = os.fstat(f.fileno())
-                identities[full] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-                for key, i, chunk in items:
-                    what = f"{key!r} of {self.path}: the chunk at bytes {chunk.start}..{chunk.start + chunk.length} of {full}"
-                    try:
-                        lay = chunk_layout(f, chunk.start, chunk.length, "its tensor")
-                    except ArchiveError as e:
-                        raise CheckpointError(f"{what} is not a torch.save archive torch.load reads: {e}.") from None
-                    dtype = infos[key].dtype
-                    if lay.dtype != dtype or lay.sizes != chunk.sizes:
-                        raise CheckpointError(
-                            f"{what} holds {list(lay.sizes)} {lay.dtype}, the metadata says {list(chunk.sizes)} {dtype}."
-                        )
-                    found[key][i] = lay
-        out = {}
-        for key, info in infos.items():
-            lay = (info.dtype, info.shape, tuple(zip(info.chunks, found[key])), save_id if isinstance(save_id, str) else None)
-            out[key] = (Entry(self, key, info.dtype, info.shape, 0, 0, contiguous_strides(info.shape)), lay)
-        return out
+        save_id = save_id if isinstance(save_id, str) else None
+        return {
+            key: (Entry(self, key, info.dtype, info.shape, 0, 0, contiguous_strides(info.shape)),
+                  (info.dtype, info.shape, tuple(info.chunks), save_id))
+            for key, info in tensors(meta, self.path).items()
+        }
+
+    def need(self, entries) -> None:
+        """Read the layout of every chunk the elements of ``entries`` meet (a rank's
+        blocks meet its own chunks only: the other ranks' are never opened)."""
+        wanted: dict = {}
+        for entry in entries:
+            _, shape, chunks, _ = self.layouts[entry.key]
+            if entry.shape == shape and entry.offset == 0 and entry.strides == contiguous_strides(shape):
+                wanted.setdefault(entry.key, set()).update(range(len(chunks)))  # the whole tensor
+            elif math.prod(entry.shape):
+                box = as_box(entry.offset, entry.shape, entry.strides, shape) or slab(
+                    entry.offset, entry.shape, entry.strides, shape)
+                wanted.setdefault(entry.key, set()).update(self._meeting(entry.key, box))
+        self._read(wanted, CheckpointError)
+
+    def _meeting(self, key: str, box) -> list:
+        return [i for i, c in enumerate(self.layouts[key][2]) if intersect(*box, c.offsets, c.sizes) is not None]
+
+    def _read(self, wanted: dict, error) -> None:
+        """Read the layouts of the chunks ``wanted`` (``key -> indices``) not read yet."""
+        missing = {key: sorted(set(indices) - self.chunks.get(key, {}).keys()) for key, indices in wanted.items()}
+        missing = {key: indices for key, indices in missing.items() if indices}
+        if not missing:
+            return
+        identities: dict = {}
+        found = self.reading(error, _read_layouts, self.path, missing, self.layouts, identities)
+        for name, ident in identities.items():
+            self.identities.setdefault(name, ident)  # a file changed since another key's read: check() sees it
+        for key, layouts in found.items():
+            self.chunks[key] = {**self.chunks.get(key, {}), **layouts}
+
+    def _chunk_layouts(self, key: str, box) -> list:
+        """``(chunk, ChunkLayout)`` of each chunk of ``key`` meeting ``box``; a layout
+        not read by :meth:`need` is read now (a read while materializing)."""
+        meets = self._meeting(key, box)
+        self._read({key: meets}, _ReadError)
+        chunks, known = self.layouts[key][2], self.chunks.get(key, {})
+        return [(chunks[i], known[i]) for i in meets]
+
+    def _reparse(self, key: str) -> tuple:
+        """The metadata, and the chunks of ``key`` read so far, read again."""
+        now, identities = super()._reparse(key)
+        if now != self.layouts[key]:
+            return None, identities
+        read = {key: sorted(self.chunks.get(key, ()))}
+        again = self.reading(CheckpointReadError, _read_layouts, self.path, read, {key: now}, identities)
+        return (now, again.get(key, {})), identities
+
+    def _layout(self, key: str):
+        return self.layouts[key], self.chunks.get(key, {})
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         """Read the elements ``offset + i . strides`` of the tensor into ``dst``."""
@@ -170,10 +242,8 @@ class DcpCheckpoint(Source):
     def _read_box(self, box, dst, via, entry) -> int:
         start, sizes = box
         work: dict = {}
-        for chunk, lay in self.layouts[entry.key][2]:
-            common = intersect(start, sizes, chunk.offsets, chunk.sizes)
-            if common is not None:
-                work.setdefault(chunk.file, []).append((chunk, lay, common))
+        for chunk, lay in self._chunk_layouts(entry.key, box):
+            work.setdefault(chunk.file, []).append((chunk, lay, intersect(start, sizes, chunk.offsets, chunk.sizes)))
         done = 0
         for name, items in work.items():
             fd = open_to_read(os.path.join(self.path, name), entry)

@@ -62,8 +62,12 @@ class Source:
     def parse(self, error) -> tuple[dict, dict]:
         """``(key -> (Entry, layout), identities)``; ``error``: the class raised."""
         identities: dict = {}
+        return self.reading(error, self._parse, identities), identities
+
+    def reading(self, error, read, *args):
+        """``read(*args)``, what it finds wrong raised as ``error``."""
         try:
-            return self._parse(identities), identities
+            return read(*args)
         except ArchiveError as e:
             raise error(f"{self.path} is {self.what}: {e}.") from None
         except CheckpointError as e:
@@ -83,6 +87,10 @@ class Source:
     def describe(self) -> str:
         return self.path
 
+    def need(self, entries) -> None:
+        """Read now what reading ``entries`` (whole tensors or blocks of them) will
+        need, so that ``load_checkpoint`` refuses it; a file's header is read at once."""
+
     def check(self, entry) -> None:
         """The files ``entry`` is read from are still those opened, or say the same about it."""
         try:
@@ -95,16 +103,25 @@ class Source:
         if same:
             return
         try:
-            found, identities = self.parse(CheckpointReadError)
+            now, identities = self._reparse(entry.key)
         except CheckpointReadError as e:
             raise CheckpointReadError(f"{e} It changed since load_checkpoint read it.{_NOTHING_CHANGED}") from None
-        now = found.get(entry.key)
-        if now is None or now[1] != self.layouts[entry.key]:
+        if now is None or now != self._layout(entry.key):
             raise CheckpointReadError(
                 f"{self.describe()} changed since load_checkpoint read it: {entry.key!r} is no longer stored as it "
                 f"was (or another save replaced it). Call load_checkpoint again.{_NOTHING_CHANGED}"
             )
         self.identities.update(identities)
+
+    def _reparse(self, key: str) -> tuple:
+        """``(layout of key or None, identities)`` as the files say now."""
+        found, identities = self.parse(CheckpointReadError)
+        now = found.get(key)
+        return (None if now is None else now[1]), identities
+
+    def _layout(self, key: str):
+        """What a re-parse must find again for ``key``."""
+        return self.layouts[key]
 
     @staticmethod
     def reader(entry, fd: int):

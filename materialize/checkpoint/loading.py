@@ -36,6 +36,7 @@ from .errors import CheckpointError, CheckpointReadError
 from .blocks import local_block
 from .capture import is_dtensor, storage_key
 from .entries import MemorySource, read_now
+from .files import Source
 from .sources import DeferredValue
 from .undo import Guard, keep, put_back
 
@@ -208,9 +209,18 @@ class Loader:
         # Loads copied from tensors in memory, by the memory they read (see
         # source_written): real ones still pending, deferred ones kept by reference.
         self._readers: dict = {}
+        self.sources: dict = {}  # id -> (file source, the entries of its loads)
+
+    def need(self) -> None:
+        """What the loads will read, read and checked now, after the walk (not under
+        its dispatch mode), each source at once: a rank's blocks, not the whole files."""
+        for source, entries in self.sources.values():
+            source.need(entries)
 
     def add(self, key: str, tensor: torch.Tensor, entry) -> None:
         load = Load(key, tensor, entry)
+        if isinstance(load.entry.source, Source):
+            self.sources.setdefault(id(load.entry.source), (load.entry.source, []))[1].append(load.entry)
         if isinstance(load.entry.source, MemorySource):
             self._readers.setdefault(load.entry.source.memory_key(), []).append(load)
         if load.deferred:

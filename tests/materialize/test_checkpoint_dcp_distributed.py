@@ -61,10 +61,28 @@ def check_reads(path, results):
         assert r["own"] <= r["read"] <= r["own"] + SLACK, r
 
 
+def chunk_count(path) -> int:
+    from deferinit.materialize.checkpoint.dcp_metadata import read_metadata, tensors
+
+    return sum(len(t.chunks) for t in tensors(read_metadata(path), path).values())
+
+
 @pytest.mark.parametrize("order", ["before", "after"])
 def test_fsdp2_saved_on_two_loaded_on_two(saved, order):
     path = saved("wide", "fsdp", 2)
-    check_reads(path, run_ranks(workers.case_load, 2, "wide", "fsdp", path, order, timeout=300))
+    results = run_ranks(workers.case_load, 2, "wide", "fsdp", path, order, timeout=300)
+    check_reads(path, results)
+    read = [set(r["layouts"]) for r in results]
+    assert all(len(r["layouts"]) == len(s) for r, s in zip(results, read)), "a chunk's layout read twice"
+    if order == "after":
+        # Sharded as it was saved, each rank's blocks are its own chunks: it
+        # reads their layouts and never opens the other rank's (as dcp.load,
+        # whose plan reads the chunks the rank's state dict meets).
+        assert not read[0] & read[1] and len(read[0] | read[1]) == chunk_count(path), read
+    else:
+        # Loaded whole before sharding: the whole tensors' chunks, as dcp.load
+        # into the unsharded model reads them (docs/guide.md, distributed checkpoints).
+        assert all(len(s) == chunk_count(path) for s in read), read
 
 
 def test_fsdp2_saved_on_two_loaded_on_one_unsharded(saved):

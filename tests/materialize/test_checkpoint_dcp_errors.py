@@ -293,6 +293,71 @@ def test_garbage_chunk(ckpt):
     refused(path, "is not a torch.save archive torch.load reads: torch.load cannot open it")
 
 
+def _counting_layouts(monkeypatch) -> list:
+    """The chunks whose layout load_checkpoint reads from now on (their positions)."""
+    from deferinit.materialize.checkpoint import dcp as source
+
+    seen, chunk_layout = [], source.chunk_layout
+
+    def counted(f, start, length, what):
+        seen.append(start)
+        return chunk_layout(f, start, length, what)
+
+    monkeypatch.setattr(source, "chunk_layout", counted)
+    return seen
+
+
+@pytest.mark.parametrize("part", ["prefix", "strict=False"])
+def test_a_load_of_part_of_the_model_reads_only_its_chunks(ckpt, monkeypatch, part):
+    """Loading the first Linear only opens its two chunks, as dcp.load of its
+    keys reads only theirs: a damaged chunk of the second Linear changes
+    nothing (dcp.load of those keys loads it too); the damaged chunk is
+    refused when it is needed."""
+    path, sd = ckpt
+    _rewrite_chunk(path, "1.bias", lambda raw: os.urandom(len(raw)))
+    wanted = {k: storage_of(metadata(path), k).offset for k in ("0.weight", "0.bias")}
+    reference = {k: torch.zeros_like(sd[k]) for k in wanted}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(reference, checkpoint_id=path, no_dist=True)
+    seen = _counting_layouts(monkeypatch)
+    for real in (False, True):
+        torch.manual_seed(0)
+        if part == "prefix":
+            m = nn.Linear(8, 16) if real else deferred_init(nn.Linear, 8, 16)
+            load_checkpoint(m, path, prefix="0.")
+            values = {"0.weight": m.weight, "0.bias": m.bias}
+        else:
+            m = nn.Sequential(nn.Linear(8, 16)) if real else deferred_init(nn.Sequential, nn.Linear(8, 16))
+            load_checkpoint(m, path, strict=False)
+            values = {"0.weight": m[0].weight, "0.bias": m[0].bias}
+        if not real:
+            materialize_module(m)
+        assert all(torch.equal(v.detach(), reference[k]) for k, v in values.items())
+        assert sorted(seen) == sorted(wanted.values()), (seen, wanted)
+        seen.clear()
+    torch.manual_seed(0)
+    m = deferred_init(nn.Linear, 16, 4)
+    with pytest.raises(CheckpointError, match="'1.bias' .* is not a torch.save archive torch.load reads"):
+        load_checkpoint(m, path, prefix="1.")
+    assert is_deferred(m)
+
+
+def test_a_chunk_first_read_while_materializing_is_checked_then(ckpt):
+    """A chunk no load_checkpoint needed (the source read directly) is read and
+    checked when a read first meets it: refused as a file cut short is."""
+    from deferinit.materialize.checkpoint.dcp import open_dcp
+
+    path, sd = ckpt
+    _rewrite_chunk(path, "1.bias", lambda raw: os.urandom(len(raw)))
+    entries = open_dcp(path)  # the metadata only: every field checked
+    out = torch.empty(16)
+    entries["0.bias"].read_parts(out)
+    assert torch.equal(out, sd["0.bias"])
+    with pytest.raises(CheckpointReadError, match="is not a torch.save archive torch.load reads.*Nothing was changed"):
+        entries["1.bias"].read_parts(torch.empty(4))
+
+
 def test_per_rank_metadata_only(ckpt):
     path, _ = ckpt
     os.rename(os.path.join(path, ".metadata"), os.path.join(path, "__0.metadata"))
