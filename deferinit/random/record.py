@@ -234,7 +234,7 @@ class Record:
         for key in {CPU, *(k for k, s in self.streams.items() if type(k) is not GeneratorKey and s.nodes)}:
             # Eagerly the generator has moved by this record's draws: a new name
             # for its state, whose parent is the state before them.
-            self.lineage[key] = LINEAGE.advance(key)
+            self.lineage[key] = LINEAGE.advance(key, self)
         for key, stream in self.streams.items():
             if type(key) is not GeneratorKey and stream.nodes:
                 CHAINS.register(self, key, self.exit.get(key))
@@ -357,11 +357,33 @@ class Lineage:
         self._base = 0  # the name of keys not seen yet (every generator seeded)
         self._kind: dict[str, int] = {}  # device type -> name of its keys not seen yet
         self._read: dict[int, tuple] = {}  # id(state tensor) -> (weakref, key, name)
+        self._held: dict[int, weakref.ref] = {}  # name -> the record that drew under it
+        self._prune_at = 1024
 
     def _new(self, parent) -> int:
         name = next(self._clock)
         self._parent[name] = parent
+        if len(self._parent) > self._prune_at:
+            self._prune(name)
         return name
+
+    def _prune(self, new: int) -> None:
+        # A name is asked about only while a record holds it (descends,
+        # revivable), a generator is under it, or a state read under it is
+        # alive: every other name is only a link, and the links are shortened
+        # past it, so that deferrals without a reseed do not grow the table.
+        keep = {new, self._base, *self._current.values(), *self._kind.values()}
+        keep.update(read for _, _, read in self._read.values())
+        keep.update(name for name, ref in list(self._held.items()) if ref() is not None)
+        parent = self._parent
+        kept = {}
+        for name in keep:
+            up = parent.get(name)
+            while up is not None and up not in keep:
+                up = parent.get(up)
+            kept[name] = up
+        self._parent = kept
+        self._prune_at = max(1024, 2 * len(kept))
 
     def _now(self, key) -> int:
         name = self._current.get(key)
@@ -371,9 +393,11 @@ class Lineage:
         return name
 
     @holding("_lock")
-    def advance(self, key) -> int:
-        """A record drew from ``key``'s generator: the eager state's new name."""
+    def advance(self, key, holder=None) -> int:
+        """A record (``holder``) drew from ``key``'s generator: the eager state's new name."""
         name = self._current[key] = self._new(self._now(key))
+        if holder is not None:
+            self._held[name] = weakref.ref(holder, lambda _, n=name: self._held.pop(n, None))
         return name
 
     @holding("_lock")

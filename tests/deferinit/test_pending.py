@@ -492,3 +492,57 @@ def test_the_first_deferral_holds_no_table_of_every_operator_schema():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert int(out.stdout.strip()) < 2048, out.stdout  # KiB
+
+
+def test_deferrals_without_a_reseed_do_not_grow_the_lineage():
+    """Each deferral names the generator's new state after the previous one (a
+    chain): kept whole, it grew by an entry per deferral for the life of the
+    process (tests/test_leaks.py caught its table resizing).  Names no record,
+    generator or read state holds are now links only, shortened past."""
+    from deferinit.random.record import LINEAGE
+
+    for _ in range(3000):
+        deferred_init(lambda: torch.empty(2).uniform_())
+    assert len(LINEAGE._parent) <= 2100
+
+
+def test_pending_draws_and_hand_over_when_every_name_is_pruned(monkeypatch):
+    """The lineage shortened at every new name gives the same answers: a
+    continued record, a reseed, a state read and set back (fork_rng), and the
+    generator after materialization as eager's."""
+    from deferinit.random import record as R
+
+    prune = R.Lineage._prune
+
+    def always(self, new):
+        prune(self, new)
+        self._prune_at = 0
+
+    monkeypatch.setattr(R.Lineage, "_prune", always)
+    monkeypatch.setattr(R.LINEAGE, "_prune_at", 0)
+
+    def build():
+        with torch.random.fork_rng():
+            torch.rand(3)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+    torch.manual_seed(0)
+    eager = [build(), build(), torch.rand(5)]
+    torch.manual_seed(0)
+    first = deferred_init(build)
+    second = deferred_init(build)
+    materialize_module(second)
+    materialize_module(first)
+    after = torch.rand(5)
+    for e, d in zip(eager[:2], (first, second)):
+        for (name, a), (_, b) in zip(e.state_dict().items(), d.state_dict().items()):
+            assert torch.equal(a, b), name
+    assert torch.equal(after, eager[2])
+
+    torch.manual_seed(1)
+    moot = deferred_init(build)
+    torch.manual_seed(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PendingDrawsWarning)
+        torch.rand(2)  # the reseed made moot's draws moot: no warning
+    del moot
