@@ -89,9 +89,14 @@ def holdings(module: torch.nn.Module, prefix: str = "", seen: set | None = None)
             found.tensors.append((dot + name, t, "buffer"))
     walk = _Walk(found, set() if seen is None else seen)
     for key, value in list(vars(module).items()):
-        if key not in _SKIP:
+        kind = type(value)
+        # walk.held's first question, asked before naming the value.
+        if key not in _SKIP and kind not in _EMPTY_OR_NOT and (kind not in _PLAIN or value):
             walk.held(dot + key, value)
     for name, t, kind in list(found.tensors):
+        d = getattr(t, "__dict__", None)
+        if type(d) is dict and d.keys() <= INTERNAL_ATTRS:
+            continue  # attached()'s first question, asked before the call: nothing of its own
         for item_name, item in attached(t, name):
             found.tensors.append((item_name, item, kind))
     return found

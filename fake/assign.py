@@ -179,21 +179,27 @@ def exchange(a: torch.Tensor, b: torch.Tensor) -> None:
         >>> a.shape, a.grad
         (torch.Size([3]), tensor([10., 10., 10.]))
     """
-    for name in ("__class__", "__dict__"):
-        mine, theirs = getattr(a, name), getattr(b, name)
-        setattr(a, name, theirs)
-        setattr(b, name, mine)
+    # object's setattr: the classes' own (a fake's) would be asked about names it does not watch.
+    class_a, class_b, dict_a, dict_b = a.__class__, b.__class__, a.__dict__, b.__dict__
+    _set(a, "__class__", class_b)
+    _set(b, "__class__", class_a)
+    _set(a, "__dict__", dict_b)
+    _set(b, "__dict__", dict_a)
     torch._C._swap_tensor_impl(a, b)
     _hooks_follow(a, b)
 
 
+_set = object.__setattr__
+
+
 def _hooks_follow(a: torch.Tensor, b: torch.Tensor) -> None:
-    for name in ("_backward_hooks", "_post_accumulate_grad_hooks"):
-        ha, hb = getattr(a, name), getattr(b, name)
-        if ha is not None or hb is not None:
-            # The setter puts the C++ hook that calls them on the tensor held now.
-            setattr(a, name, ha)
-            setattr(b, name, hb)
+    ha, hb = a._backward_hooks, b._backward_hooks
+    if ha is not None or hb is not None:
+        # The setter puts the C++ hook that calls them on the tensor held now.
+        a._backward_hooks, b._backward_hooks = ha, hb
+    ha, hb = a._post_accumulate_grad_hooks, b._post_accumulate_grad_hooks
+    if ha is not None or hb is not None:
+        a._post_accumulate_grad_hooks, b._post_accumulate_grad_hooks = ha, hb
 
 
 def _refuse_unless_leaf(real: torch.Tensor, like: FakeTensor, operation: str) -> None:

@@ -45,3 +45,30 @@ class no_python_dispatch:
 
     def __exit__(self, *exc):
         tf, keys = self._saved; [_exclude(k, was) for k, was in zip(_KEYS, keys)]; _set_tf(tf)  # noqa: E702
+
+
+_SUBCLASSES_DISABLED = torch._C._TorchFunctionState.SUBCLASSES_DISABLED
+_ENABLED = torch._C._TorchFunctionState.ENABLED
+
+
+class plain_queries:
+    """Ask tensors' C methods and properties (``_is_view()``, ``grad_fn``...) without
+    the lookup of a subclass's ``__torch_function__``: half their cost on a
+    fake, whose handler is torch's disabled one anyway.  Only for loops
+    over fakes and plain tensors (a user's subclass would not be asked);
+    set and put back as :class:`no_python_dispatch` is.
+
+    Example::
+
+        >>> with plain_queries():
+        ...     deferred_init(torch.nn.Linear, 2, 2).weight._is_view()
+        False
+    """
+
+    __slots__ = ("_saved",)
+
+    def __enter__(self):
+        self._saved = saved = _get_tf(); _set_tf(_SUBCLASSES_DISABLED if saved == _ENABLED else saved)  # noqa: E702
+
+    def __exit__(self, *exc):
+        _set_tf(self._saved)

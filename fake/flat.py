@@ -9,20 +9,29 @@ schemas use and falls back to pytree for anything deeper.
 
 from __future__ import annotations
 
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 _SEQ = (list, tuple)
 
 
 class Spec:
-    """How to rebuild ``(args, kwargs)`` from a flat list."""
+    """How to rebuild ``(args, kwargs)`` from a flat list.  One object per shape of
+    call (:func:`flatten` hands out the same one again): a record of many
+    alike calls holds it once, and its rebuild is worked out once."""
 
-    __slots__ = ("arg_shapes", "kw_keys", "kw_shapes")
+    __slots__ = ("arg_shapes", "kw_keys", "kw_shapes", "plain")
 
     def __init__(self, arg_shapes, kw_keys, kw_shapes):
         self.arg_shapes = arg_shapes
         self.kw_keys = kw_keys
         self.kw_shapes = kw_shapes
+        # No list or tuple among the arguments: the number of positional ones.
+        flat = all(s is None for s in arg_shapes) and all(s is None for s in kw_shapes)
+        self.plain = len(arg_shapes) if flat else None
+
+
+_SPECS: dict = {}
+_KEPT = 4096
 
 
 def flatten(args, kwargs):
@@ -33,7 +42,13 @@ def flatten(args, kwargs):
     kw_shapes = _flatten_into(kwargs.values(), flat) if kwargs else ()
     if arg_shapes is None or kw_shapes is None:
         return tree_flatten((args, kwargs))
-    return flat, Spec(arg_shapes, keys, kw_shapes)
+    shape = (arg_shapes, keys, kw_shapes)
+    spec = _SPECS.get(shape)
+    if spec is None:
+        spec = Spec(arg_shapes, keys, kw_shapes)
+        if len(_SPECS) < _KEPT:  # a bound: tensor lists of every length are shapes too
+            spec = _SPECS.setdefault(shape, spec)
+    return flat, spec
 
 
 def _flatten_into(values, flat: list):
@@ -56,8 +71,11 @@ def _flatten_into(values, flat: list):
 
 def unflatten(flat, spec):
     """Rebuild ``(args, kwargs)``."""
-    if isinstance(spec, TreeSpec):
+    if type(spec) is not Spec:
         return tree_unflatten(flat, spec)
+    n = spec.plain
+    if n is not None:
+        return tuple(flat[:n]), dict(zip(spec.kw_keys, flat[n:]))
     i = 0
     args = []
     for shape in spec.arg_shapes:

@@ -41,6 +41,8 @@ from .generators import committed_then_handed_over, records_of
 from .graphcheck import check_graph
 from .progress import start_progress
 from .replay import Replay
+from deferinit.fake.bypass import plain_queries
+
 from .swap import Swaps, dress, dress_leaf
 
 
@@ -73,10 +75,11 @@ def _run(hand, targets, device, inference, progress, counted, kept_deferred, wra
     fakes swapped out die with this frame."""
     # -- plan
     # A fake that is no view and has no grad_fn needs neither (most of them: asked first).
-    graphs = any(
-        (fake._is_view() or grad_fn_of(fake) is not None) and (needs_graph(fake) or real_root_of(fake))
-        for _, fake in targets
-    )
+    with plain_queries():  # fakes
+        graphs = any(
+            (fake._is_view() or grad_fn_of(fake) is not None) and (needs_graph(fake) or real_root_of(fake))
+            for _, fake in targets
+        )
     binder = None
     if graphs and not inference:
         targets, binder = _with_leaves(targets, kept_deferred)
@@ -163,6 +166,8 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
         if storage.shared:  # share_memory_() while deferred (model.share_memory())
             real.share_memory_()
     tokens = [leaf_token(fake) for fake in fakes]
+    if all(token is None for token in tokens):
+        tokens = ()
     swaps = Swaps(pairs, wrappers)
     kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
 
@@ -194,14 +199,21 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
 
 def _dressed(group, reals, inference, binder, retaken=()) -> list:
     """``(fake, real object to swap in)`` pairs; autograd graphs checked first."""
-    pairs = []
     # Most tensors are plain leaves made real as plain tensors (not views, no
     # graph, not inference): nothing to check, dressed at once.
-    leaves = binder is None and not inference and not torch.is_inference_mode_enabled()
-    for i, ((name, fake), real) in enumerate(zip(group, reals)):
-        if leaves and not fake._is_view() and not real._is_view() and fake.grad_fn is None and not fake.is_inference():
-            pairs.append((fake, dress_leaf(fake, real)))
-            continue
+    pairs = [None] * len(group)
+    others = []
+    if binder is None and not inference and not torch.is_inference_mode_enabled():
+        with plain_queries():  # fakes, and tensors the replay made
+            for i, ((_, fake), real) in enumerate(zip(group, reals)):
+                if type(real) is torch.Tensor and not fake._is_view() and not real._is_view() and fake.grad_fn is None and not fake.is_inference():
+                    pairs[i] = (fake, dress_leaf(fake, real))
+                else:
+                    others.append(i)
+    else:
+        others = range(len(group))
+    for i in others:
+        (name, fake), real = group[i], reals[i]
         made = binder.made_for(fake) if binder is not None else None
         if made is not None:
             if not same_memory(made, real):
@@ -213,12 +225,14 @@ def _dressed(group, reals, inference, binder, retaken=()) -> list:
         if not inference:
             real = view_again(real, fake)
             check_graph(name, fake, real, binder)
-        pairs.append((fake, dress(fake, real, inference, made, i in retaken)))
+        pairs[i] = (fake, dress(fake, real, inference, made, i in retaken))
     return pairs
 
 
 def _one_object_each(pairs, names) -> None:
     """Refuse two fakes that came out of the replay as one object."""
+    if len({id(obj) for _, obj in pairs}) == len(pairs):
+        return
     seen = {}
     for (_, obj), name in zip(pairs, names):
         other = seen.setdefault(id(obj), name)

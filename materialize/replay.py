@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from deferinit.errors import MaterializationError, ReplayError
-from deferinit.ir.graph import Input, Node
+from deferinit.ir.graph import NOTHING_SEEN, Input, Node
 from deferinit.ir.liveness import ALLOC, DIRECT, GENERATOR, RUN
 from deferinit.ir.plan import Plan, real_read, read_of
 from deferinit.fake.device import exists
@@ -157,24 +157,41 @@ class Replay:
         # Per node, the keys of the values it reads from this replay (worked
         # out once: the loop below frees each at its last use).
         read_keys = []
+        # Per node, the method that runs it: run_node's choice, made once.
+        runs = []
         modes = self._modes
         scratch = plan.liveness.scratch if plan.liveness is not None else {}
+        parts = plan.liveness.parts if plan.liveness is not None else {}
+        run_node, draw = self.run_node, self.draw
+        # The draws whose arguments are passed as recorded (no tensor, no device to map).
+        self._as_recorded = as_recorded = set()
+        same_devices = self.device_map.target is None
+        no_keys = ()
         for node in plan.order:
-            keys = []
+            keys = no_keys
             # plan.reads(node), without two calls per node.
             mode = modes.get(id(node))
             if mode is None:
                 xs = [x for x in node.flat if type(x) is Input]
+                plain = (node.rng is not None and node.kind == "op" and node.autograd is NOTHING_SEEN
+                         and not node.reshapes and id(node) not in scratch and id(node) not in parts)
+                runs.append(draw if plain else run_node)
+                if plain and not xs and same_devices:
+                    as_recorded.add(id(node))
             elif mode == ALLOC:
                 xs = ()
             elif mode == DIRECT or mode == GENERATOR and id(node) in scratch:
                 xs = reads(node)
             else:
                 xs = [x for x in node.flat if type(x) is Input]
+            if mode is not None:
+                runs.append(run_node)
             for x in xs:
                 if not real_read(x):
                     value = x.value
                     key = value.key
+                    if keys is no_keys:
+                        keys = []
                     keys.append(key)
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
@@ -192,6 +209,7 @@ class Replay:
                     found.add(index)
                 produced.setdefault(key, value)
 
+        steps = self._batched(read_keys, runs, wanted)
         self.env = env = {}
         self.real_views = {}
         total = len(plan.order)
@@ -201,13 +219,17 @@ class Replay:
             with Draws(plan.streams) as draws, no_python_dispatch(), below_autograd(self.inference), _DefaultDtype() as dtype_guard:
                 self.draws, self.dtype_guard = draws, dtype_guard
                 binder = self.autograd
-                run_node = self.run_node
                 progress = self.progress
-                for done, (node, keys) in enumerate(zip(plan.order, read_keys)):
+                done = 0
+                for node, keys, run, batch in steps:
                     if binder is not None:
                         binder.advance(node.seq)
                     try:
-                        run_node(node, wanted.get(id(node), ()))
+                        run(node, wanted.get(id(node), ()))
+                        if batch:
+                            follow, keep = draws.follow, self._keep
+                            for node in batch:
+                                keep(node, follow(node), _FIRST)
                     except Exception as e:
                         raise self._failure(node, e) from e
                     for key in keys:
@@ -216,7 +238,8 @@ class Replay:
                         if left == 0:
                             env.pop(key, None)
                     if progress is not None:
-                        progress(done + 1, total)
+                        done += 1 + len(batch) if batch else 1
+                        progress(done, total)
                 self.draw_stats = draws.stats
                 if binder is not None:
                     binder.advance(float("inf"))
@@ -232,6 +255,32 @@ class Replay:
             # The values die at the end of the run, as they did in its frame.
             self.env = self.real_views = self.draws = self.dtype_guard = None
         return results
+
+    def _batched(self, read_keys, runs, wanted) -> list:
+        """``(node, keys, run, batch)`` per step of the loop: ``batch`` lists the draws
+        that follow ``node`` at once, each right after the one before on its
+        generator, each a random factory read whole with nothing to map
+        (:meth:`~deferinit.materialize.draws.Draws.follow` draws them); a
+        model of many small random tensors is mostly such runs."""
+        steps = []
+        as_recorded = self._as_recorded
+        streams = self.plan.streams
+        last = None  # (stream, index, default dtype) of the draw that ends the current step
+        for node, keys, run in zip(self.plan.order, read_keys, runs):
+            if id(node) in as_recorded and wanted.get(id(node)) == _FIRST:
+                rs = streams[id(node.rng[0]())]
+                index = rs.index[id(node)]
+                if (last is not None and last[0] is rs and last[1] == index - 1 and last[2] is node.default_dtype
+                        and index not in rs.events and index - 1 not in rs.post):
+                    steps[-1][3].append(node)
+                    last = (rs, index, node.default_dtype)
+                    continue
+                last = (rs, index, node.default_dtype)
+                steps.append((node, keys, run, []))
+                continue
+            last = None
+            steps.append((node, keys, run, None))
+        return steps
 
     def run_node(self, node: Node, wanted) -> None:
         """Run one planned node: as its mode says (:mod:`deferinit.ir.liveness`), else as
@@ -303,6 +352,21 @@ class Replay:
         """A value recorded by copy."""
         self.env[(node, 0)] = node.payload.to(self.device_map(node.target), copy=True)
 
+    def draw(self, node: Node, wanted) -> None:
+        """A random operator autograd did not see, drawn whole: :meth:`call` less
+        what cannot apply (no alias, no detach, no graph, no reuse of an
+        input's memory, no scratch, no part), the most frequent node of a
+        model's record."""
+        if id(node) in self._as_recorded:
+            args = node.flat  # unflatten copies
+        else:
+            device_map, resolve = self.device_map, self.resolve
+            args = [resolve(x) if type(x) is Input else device_map(x) if type(x) is torch.device else x
+                    for x in node.flat]
+        a, k = unflatten(args, node.spec)
+        self.dtype_guard.set(node.default_dtype)
+        self._keep(node, self.draws.call(node, a, k), wanted)
+
     def call(self, node: Node, wanted) -> None:
         """An operator (or an opaque initialiser) called on the real inputs: in place
         where its first input dies with it, with autograd where eager's graph
@@ -351,9 +415,13 @@ class Replay:
             out = self.draws.call(node, a, k, part)
         else:
             out = caller(node.target)(*a, **k)
+        self._keep(node, out, wanted)
 
+    def _keep(self, node: Node, out, wanted) -> None:
+        """Keep the outputs of ``node`` read later."""
         if wanted:
             outs = [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
+            env = self.env
             for pos in wanted:
                 env[(node, pos)] = outs[pos]
 
@@ -548,6 +616,8 @@ class Replay:
         out = self._run_with_grad(node, args, again=True)
         return [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
 
+
+_FIRST = {0}
 
 _BY_KIND = {"op": Replay.call, "opaque": Replay.call, "external": Replay.external,
             "constant": Replay.constant, "load": Replay.load}

@@ -16,6 +16,7 @@ import torch
 
 from deferinit.errors import MaterializationError
 from deferinit.fake.assign import _hooks_follow, exchange
+from deferinit.fake.bypass import plain_queries
 from deferinit.fake.tensor import INTERNAL_ATTRS
 
 from .errors import AutogradMaterializationError
@@ -171,7 +172,8 @@ class Swaps:
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()):
         self.pairs = list(pairs)
-        self.before = [_noted(a, b) for a, b in self.pairs]
+        with plain_queries():  # fakes and the tensors dressed for them
+            self.before = [_noted(a, b) for a, b in self.pairs]
         self.wrappers = list(wrappers)
         self.storages: list = []
 
@@ -179,8 +181,9 @@ class Swaps:
         """Swap each ``(fake, dressed_real)`` pair, then rebuild the wrappers around
         them; undo everything if one fails."""
         try:
-            for fake, real in list(self.pairs):
-                swap(fake, real)
+            with plain_queries():  # fakes and the tensors dressed for them
+                for fake, real in list(self.pairs):
+                    swap(fake, real)
         except Exception as e:
             self.undo()
             raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e

@@ -261,16 +261,16 @@ def test_failing_op_leaves_the_module_deferred_and_usable():
 
 def test_replay_error_names_the_op_and_tensor(monkeypatch):
     m = deferred_init(nn.Linear, 2, 2)
-    from deferinit.materialize import replay
+    from deferinit.materialize import draws
 
-    original = replay.Replay.run_node
+    original = draws.Draws.call
 
     def failing(self, node, *args):
         if node.kind == "op" and node.target._opname == "uniform_":
             raise RuntimeError("simulated out of memory")
         return original(self, node, *args)
 
-    monkeypatch.setattr(replay.Replay, "run_node", failing)
+    monkeypatch.setattr(draws.Draws, "call", failing)
     with pytest.raises(ReplayError, match=r"aten\.uniform_.*weight.*simulated out of memory.*Nothing was changed"):
         materialize_module(m)
     assert is_deferred(m.weight) and is_deferred(m.bias)
