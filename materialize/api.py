@@ -9,7 +9,7 @@ import torch
 from deferinit.exclusive import exclusive
 from deferinit.fake.guard import Entry, restoring
 from deferinit.fake.locking import locked
-from deferinit.fake.tensor import is_fake
+from deferinit.fake.tensor import FakeTensor, is_fake
 from deferinit.holdings import attached, holdings
 from deferinit.recorder import is_deferred_fake
 from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
@@ -208,6 +208,13 @@ def _module_targets(module, buffers_only, check_fn):
     wrapped = False
     for tensors in lists:
         for name, t, kind in tensors:
+            if (not buffers_only and isinstance(t, FakeTensor) and t._record is not None
+                    and id(t) not in seen):  # the common case at once: a deferred fake, no wrapper
+                seen.add(id(t))
+                targets.append((name, t))
+                if kind == "beyond":
+                    beyond.add(id(t))
+                continue
             if not wrapped and kind in ("parameter", "buffer") and is_wrapper(t):
                 wrapped = True
             fakes = _fakes_of(t, name)

@@ -176,19 +176,20 @@ def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, record
             token.real, token.real_version = real, version
         swaps.undo()
 
+    # Each storage learns its real memory with its tensor's swap, unless
+    # compacted (nothing else can read that storage: see Sharding.compact).
+    remember = []
+    at = 0
+    for group, reads, _, _, compacted in computed:
+        remember += [None] * len(group) if compacted else zip(reads, storages[at:at + len(group)])
+        at += len(group)
     hand.undone_by(undo)  # run by the hand-over's exit unless committed, whatever interrupts
     try:
-        swaps.run()
+        swaps.run(remember)
         for fake, token in zip(fakes, tokens):
             if token is not None:
                 token.real = fake  # now real: graphs replayed later reach it
                 token.real_version = None if fake.is_inference() else fake._version
-        # The fakes are the real tensors now (``reals`` may have been swapped out).
-        at = 0
-        for group, reads, _, _, compacted in computed:
-            if not compacted:  # else nothing else can read that storage (see Sharding.compact)
-                swaps.remember(reads, storages[at:at + len(group)], fakes[at:at + len(group)])
-            at += len(group)
         hand.streams, hand.records = streams, records
         hand.committed = True
     except BaseException:

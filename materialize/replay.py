@@ -154,38 +154,54 @@ class Replay:
         wanted: dict[int, set] = {}
         # The recorded geometry of each output read (see materialize/reuse.py).
         self._produced = produced = {}
-        # Per node, the keys of the values it reads from this replay (worked
-        # out once: the loop below frees each at its last use).
-        read_keys = []
-        # Per node, the method that runs it: run_node's choice, made once.
-        runs = []
+        # The loop's steps, worked out once: ``(node, keys, run, batch)``, the
+        # keys of the values ``node`` reads from this replay (freed at their last
+        # use), the method that runs it (run_node's choice), and ``batch``: the
+        # random factories that follow it at once, each drawing right after the
+        # one before on one generator with its recorded arguments (no tensor,
+        # no device to map), drawn by Draws.follow; a model of many small
+        # random tensors is mostly such runs.
+        steps = []
         modes = self._modes
         scratch = plan.liveness.scratch if plan.liveness is not None else {}
         parts = plan.liveness.parts if plan.liveness is not None else {}
+        streams = plan.streams
         run_node, draw = self.run_node, self.draw
-        # The draws whose arguments are passed as recorded (no tensor, no device to map).
+        # The draws whose arguments are passed as recorded.
         self._as_recorded = as_recorded = set()
         same_devices = self.device_map.target is None
         no_keys = ()
+        last = None  # (stream, index, default dtype) of the draw that ends the last step
         for node in plan.order:
             keys = no_keys
+            run = run_node
             # plan.reads(node), without two calls per node.
             mode = modes.get(id(node))
             if mode is None:
                 xs = [x for x in node.flat if type(x) is Input]
-                plain = (node.rng is not None and node.kind == "op" and node.autograd is NOTHING_SEEN
-                         and not node.reshapes and id(node) not in scratch and id(node) not in parts)
-                runs.append(draw if plain else run_node)
-                if plain and not xs and same_devices:
-                    as_recorded.add(id(node))
+                if (node.rng is not None and node.kind == "op" and node.autograd is NOTHING_SEEN
+                        and not node.reshapes and id(node) not in scratch and id(node) not in parts):
+                    run = draw
+                    if not xs and same_devices:
+                        as_recorded.add(id(node))
+                        rs = streams[id(node.rng[0]())]
+                        index = rs.index[id(node)]
+                        dtype = node.default_dtype
+                        follows = (last is not None and last[0] is rs and last[1] == index - 1
+                                   and last[2] is dtype and index not in rs.events and index - 1 not in rs.post)
+                        last = (rs, index, dtype)
+                        if follows:
+                            steps[-1][3].append(node)
+                        else:
+                            steps.append((node, keys, run, []))
+                        continue
             elif mode == ALLOC:
                 xs = ()
             elif mode == DIRECT or mode == GENERATOR and id(node) in scratch:
                 xs = reads(node)
             else:
                 xs = [x for x in node.flat if type(x) is Input]
-            if mode is not None:
-                runs.append(run_node)
+            last = None
             for x in xs:
                 if not real_read(x):
                     value = x.value
@@ -196,7 +212,7 @@ class Replay:
                     uses[key] = uses.get(key, 0) + 1
                     wanted.setdefault(id(key[0]), set()).add(key[1])
                     produced.setdefault(key, value)
-            read_keys.append(keys)
+            steps.append((node, keys, run, None))
         for inp in plan.targets:
             if not real_read(inp):
                 value = inp.value
@@ -209,7 +225,6 @@ class Replay:
                     found.add(index)
                 produced.setdefault(key, value)
 
-        steps = self._batched(read_keys, runs, wanted)
         self.env = env = {}
         self.real_views = {}
         total = len(plan.order)
@@ -229,7 +244,7 @@ class Replay:
                         if batch:
                             follow, keep = draws.follow, self._keep
                             for node in batch:
-                                keep(node, follow(node), _FIRST)
+                                keep(node, follow(node), wanted.get(id(node), ()))
                     except Exception as e:
                         raise self._failure(node, e) from e
                     for key in keys:
@@ -255,32 +270,6 @@ class Replay:
             # The values die at the end of the run, as they did in its frame.
             self.env = self.real_views = self.draws = self.dtype_guard = None
         return results
-
-    def _batched(self, read_keys, runs, wanted) -> list:
-        """``(node, keys, run, batch)`` per step of the loop: ``batch`` lists the draws
-        that follow ``node`` at once, each right after the one before on its
-        generator, each a random factory read whole with nothing to map
-        (:meth:`~deferinit.materialize.draws.Draws.follow` draws them); a
-        model of many small random tensors is mostly such runs."""
-        steps = []
-        as_recorded = self._as_recorded
-        streams = self.plan.streams
-        last = None  # (stream, index, default dtype) of the draw that ends the current step
-        for node, keys, run in zip(self.plan.order, read_keys, runs):
-            if id(node) in as_recorded and wanted.get(id(node)) == _FIRST:
-                rs = streams[id(node.rng[0]())]
-                index = rs.index[id(node)]
-                if (last is not None and last[0] is rs and last[1] == index - 1 and last[2] is node.default_dtype
-                        and index not in rs.events and index - 1 not in rs.post):
-                    steps[-1][3].append(node)
-                    last = (rs, index, node.default_dtype)
-                    continue
-                last = (rs, index, node.default_dtype)
-                steps.append((node, keys, run, []))
-                continue
-            last = None
-            steps.append((node, keys, run, None))
-        return steps
 
     def run_node(self, node: Node, wanted) -> None:
         """Run one planned node: as its mode says (:mod:`deferinit.ir.liveness`), else as
@@ -616,8 +605,6 @@ class Replay:
         out = self._run_with_grad(node, args, again=True)
         return [out] if isinstance(out, torch.Tensor) else flatten_output(out)[0]
 
-
-_FIRST = {0}
 
 _BY_KIND = {"op": Replay.call, "opaque": Replay.call, "external": Replay.external,
             "constant": Replay.constant, "load": Replay.load}

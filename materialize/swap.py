@@ -140,12 +140,12 @@ def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
 class Swaps:
     """The swaps of one materialization and what they change besides, all or nothing.
 
-    Before anything is swapped, each object's class, ``__dict__`` and C++
+    Right before an object is swapped, its class, ``__dict__`` and C++
     tensor are noted; :meth:`undo` puts every object back by comparing what
     it holds now with those notes, so it undoes exactly what was done,
     whatever line an interrupt stopped at (in the middle of one exchange
     too: its class swapped and its C++ tensor not yet).  The storages
-    remembered real (:meth:`remember`) get their earlier memory back.
+    remembered real (``run(remember=...)``) get their earlier memory back.
 
     ``wrappers`` (innermost first) are the wrapper subclasses (see
     :mod:`deferinit.wrappers`) built around the fakes: their device, and
@@ -172,18 +172,26 @@ class Swaps:
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()):
         self.pairs = list(pairs)
-        with plain_queries():  # fakes and the tensors dressed for them
-            self.before = [_noted(a, b) for a, b in self.pairs]
+        # Each pair's note is taken right before its swap (:meth:`undo` pairs them up).
+        self.before: list = []
         self.wrappers = list(wrappers)
         self.storages: list = []
 
-    def run(self) -> None:
+    def run(self, remember=None) -> None:
         """Swap each ``(fake, dressed_real)`` pair, then rebuild the wrappers around
-        them; undo everything if one fails."""
+        them; undo everything if one fails.  ``remember``: per pair, ``(read,
+        storage)`` whose storage learns its real memory once swapped (undone
+        with the rest), or None; one pass over the pairs does both."""
+        before, storages = self.before, self.storages
         try:
             with plain_queries():  # fakes and the tensors dressed for them
-                for fake, real in list(self.pairs):
+                for i, (fake, real) in enumerate(list(self.pairs)):
+                    before.append(_noted(fake, real))
                     swap(fake, real)
+                    if remember is not None and remember[i] is not None:
+                        read, storage = remember[i]
+                        storages.append((storage, storage.real, storage.real_head))
+                        _remember(read, storage, fake)
         except Exception as e:
             self.undo()
             raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
@@ -193,7 +201,7 @@ class Swaps:
                 new = rebuilt(w)
                 # Noted before the swap: an interrupt between the two leaves
                 # a note without a pair (zip ignores it) or a pair not swapped.
-                self.before.append(_noted(w, new))
+                before.append(_noted(w, new))
                 self.pairs.append((w, new))
                 swap(w, new)
         except Exception as e:
@@ -202,11 +210,6 @@ class Swaps:
                 f"rebuilding a {type(w).__name__} around its materialized inner tensors failed "
                 f"({type(e).__name__}: {e}); nothing was changed"
             ) from e
-
-    def remember(self, reads, storages, reals) -> None:
-        """:func:`remember_real_storages`, undone by :meth:`undo`."""
-        self.storages.extend((s, s.real, s.real_head) for s in storages)
-        remember_real_storages(reads, storages, reals)
 
     def undo(self) -> None:
         """Put every object and storage back as before (idempotent)."""
@@ -255,15 +258,14 @@ def rebuilt(w: torch.Tensor) -> torch.Tensor:
     return new
 
 
-def remember_real_storages(reads, storages, reals) -> None:
-    """After a swap: each recorded storage remembers its real memory and the
-    head it reflects, so that its other tensors, materialized later, share it."""
-    for read, storage, real in zip(reads, storages, reals):
-        if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
-            # A subclass may refuse .shape (lazy modules' placeholders): ask a plain alias.
-            with torch._C.DisableTorchFunctionSubclass():
-                real = real.as_subclass(torch.Tensor)
-        if storage.real is None and read.value.same_geometry(real):
-            storage.real = real.untyped_storage()
-        if storage.real is not None:
-            storage.real_head = read.version
+def _remember(read, storage, real) -> None:
+    """After a swap: a recorded storage remembers its real memory and the head it
+    reflects, so that its other tensors, materialized later, share it."""
+    if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
+        # A subclass may refuse .shape (lazy modules' placeholders): ask a plain alias.
+        with torch._C.DisableTorchFunctionSubclass():
+            real = real.as_subclass(torch.Tensor)
+    if storage.real is None and read.value.same_geometry(real):
+        storage.real = real.untyped_storage()
+    if storage.real is not None:
+        storage.real_head = read.version

@@ -142,6 +142,21 @@ def _overwrites(write) -> bool:
     return found[1]
 
 
+# (size, stride, itemsize) -> whether a value of that geometry is one run of bytes.
+_DENSE: dict = {}
+
+
+def _dense(value) -> bool:
+    """``Region.of(value).dense``, asked once per geometry (most tensors of a model share a few)."""
+    key = (value.size, value.stride, value.dtype.itemsize)
+    found = _DENSE.get(key)
+    if found is None:
+        found = Region.of(value).dense
+        if len(_DENSE) < 4096:
+            _DENSE[key] = found
+    return found
+
+
 def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
     """The targets whose whole history is a factory call and then one write
     that covers its output without reading it (``empty`` then ``uniform_``),
@@ -170,7 +185,7 @@ def _filled(targets, universe: dict, real_read) -> tuple[dict, dict]:
             and write.writes == (0,) and not write.reshapes and factory.kind == "op"
             and not factory.writes and not factory.reshapes and value.offset == 0 and 0 not in value.size
             and _one_output(factory.target) and _overwrites(write) and Input not in map(type, flat[1:])
-            and Input not in map(type, factory.flat) and not real_read(inp) and Region.of(value).dense
+            and Input not in map(type, factory.flat) and not real_read(inp) and _dense(value)
         ) else None
     found = {k: v for k, v in found.items() if v is not None}
     if not found:

@@ -64,7 +64,7 @@ class DeviceMap:
 
 def real_read(inp: Input) -> bool:
     """Whether a read is served by a storage that is already real."""
-    storage = inp.value.storage
+    storage = inp.value._storage()  # Value.storage, without the property's call
     return (
         storage is not None
         and type(inp) is not FreshRead

@@ -17,7 +17,6 @@ import torch.nn as nn
 
 from deferinit import deferred_init
 from deferinit.materialize import materialize_module, materialize_tensor
-from deferinit.materialize import replay as replay_module
 from helpers import assert_same_tensors, check_exact, materialize_in_order
 
 EXPLICIT = torch.Generator()
@@ -171,17 +170,18 @@ def test_values_used_later_in_the_record_stay_available():
 
 def test_runs_are_taken(monkeypatch):
     """The models above do exercise runs (else these tests would prove nothing of them)."""
-    seen = []
-    original = replay_module.Replay._batched
+    from deferinit.materialize import draws
 
-    def spy(self, *args):
-        steps = original(self, *args)
-        seen.append(max((len(s[3]) for s in steps if s[3]), default=0))
-        return steps
+    followed = []
+    original = draws.Draws.follow
 
-    monkeypatch.setattr(replay_module.Replay, "_batched", spy)
+    def spy(self, node):
+        followed.append(node)
+        return original(self, node)
+
+    monkeypatch.setattr(draws.Draws, "follow", spy)
     materialize_module(deferred_init(Runs, 30, _reseed))
-    assert seen and seen[0] >= 2
+    assert len(followed) >= 2
 
 
 def test_a_failing_draw_in_a_run_is_named_and_changes_nothing(monkeypatch):
