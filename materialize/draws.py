@@ -140,11 +140,12 @@ class Draws:
             rs.learn(index, get_state(gen))
         return out
 
-    def follow(self, node):
-        """Draw random factory ``node`` with its recorded arguments, right after the
-        draw before it on its generator (the caller checked that nothing stands
-        between): :meth:`call` less its questions, for runs of small tensors."""
-        args, kwargs = unflatten(node.flat, node.spec)
+    def follow(self, node, flat=None):
+        """Draw random ``node`` with its recorded arguments (``flat``: with its
+        tensor), right after the draw before it on its generator (the caller
+        checked that nothing stands between): :meth:`call` less its
+        questions, for runs of small tensors."""
+        args, kwargs = unflatten(node.flat if flat is None else flat, node.spec)
         rs = self.streams[id(node.rng[0]())]
         entry = self._cursors.get(id(rs))
         how = self._how.get(id(node.target))

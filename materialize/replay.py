@@ -157,24 +157,29 @@ class Replay:
         # The loop's steps, worked out once: ``(node, keys, run, batch)``, the
         # keys of the values ``node`` reads from this replay (freed at their last
         # use), the method that runs it (run_node's choice), and ``batch``: the
-        # random factories that follow it at once, each drawing right after the
-        # one before on one generator with its recorded arguments (no tensor,
-        # no device to map), drawn by Draws.follow; a model of many small
+        # nodes that follow it at once, in order: draws, each right after the
+        # one before on one generator (Draws.follow: a random factory with its
+        # recorded arguments, or a fill such as ``uniform_`` of a tensor), and
+        # the allocations between them.  A model of many small
         # random tensors is mostly such runs.
         steps = []
         modes = self._modes
-        scratch = plan.liveness.scratch if plan.liveness is not None else {}
-        parts = plan.liveness.parts if plan.liveness is not None else {}
+        liveness = plan.liveness
+        scratch = liveness.scratch if liveness is not None else {}
+        parts = liveness.parts if liveness is not None else {}
         streams = plan.streams
         run_node, draw = self.run_node, self.draw
         # The draws whose arguments are passed as recorded.
         self._as_recorded = as_recorded = set()
-        same_devices = self.device_map.target is None
+        # No device to map, no autograd leaf to hand out between nodes.
+        runs = self.device_map.target is None and self.autograd is None
         no_keys = ()
-        last = None  # (stream, index, default dtype) of the draw that ends the last step
+        last = None  # (stream, index, default dtype, batch) of the draw that ends the last step's batch
         for node in plan.order:
             keys = no_keys
             run = run_node
+            # Whether the last step's batch can take this node.
+            open_batch = last is not None and steps[-1][3] is last[3]
             # plan.reads(node), without two calls per node.
             mode = modes.get(id(node))
             if mode is None:
@@ -182,20 +187,34 @@ class Replay:
                 if (node.rng is not None and node.kind == "op" and node.autograd is NOTHING_SEEN
                         and not node.reshapes and id(node) not in scratch and id(node) not in parts):
                     run = draw
-                    if not xs and same_devices:
-                        as_recorded.add(id(node))
+                    if runs:
                         rs = streams[id(node.rng[0]())]
                         index = rs.index[id(node)]
                         dtype = node.default_dtype
-                        follows = (last is not None and last[0] is rs and last[1] == index - 1
-                                   and last[2] is dtype and index not in rs.events and index - 1 not in rs.post)
-                        last = (rs, index, dtype)
-                        if follows:
-                            steps[-1][3].append(node)
+                        follows = (open_batch and last[0] is rs and last[1] == index - 1 and last[2] is dtype
+                                   and index not in rs.events and index - 1 not in rs.post)
+                        batch = last[3] if follows else []
+                        last = (rs, index, dtype, batch)
+                        if not xs:
+                            as_recorded.add(id(node))
                         else:
-                            steps.append((node, keys, run, []))
+                            keys = [x.value.key for x in xs if not real_read(x)] or no_keys
+                            for x in xs:
+                                if not real_read(x):
+                                    value = x.value
+                                    uses[value.key] = uses.get(value.key, 0) + 1
+                                    wanted.setdefault(id(value.node), set()).add(value.index)
+                                    produced.setdefault(value.key, value)
+                        if follows:
+                            # A fill of one tensor (its first argument) is given it directly.
+                            batch.append(node if not xs else (node, keys, len(keys) == len(xs) == 1 and node.flat[0] is xs[0]))
+                        else:
+                            steps.append((node, keys, run, batch))
                         continue
             elif mode == ALLOC:
+                if open_batch:
+                    last[3].append((node, liveness.alloc[id(node)]))
+                    continue
                 xs = ()
             elif mode == DIRECT or mode == GENERATOR and id(node) in scratch:
                 xs = reads(node)
@@ -242,9 +261,26 @@ class Replay:
                     try:
                         run(node, wanted.get(id(node), ()))
                         if batch:
-                            follow, keep = draws.follow, self._keep
+                            follow, keep, resolve = draws.follow, self._keep, self.resolve
                             for node in batch:
-                                keep(node, follow(node), wanted.get(id(node), ()))
+                                if type(node) is not tuple:  # a random factory
+                                    keep(node, follow(node), wanted.get(id(node), ()))
+                                    continue
+                                if len(node) == 2:  # an allocation (no device to map)
+                                    node, allocs = node
+                                    _allocate(env, node, allocs, wanted.get(id(node), ()), _same_device)
+                                    continue
+                                node, reading, first = node  # a fill
+                                if first:
+                                    flat = [env[reading[0]], *node.flat[1:]]
+                                else:
+                                    flat = [resolve(x) if type(x) is Input else x for x in node.flat]
+                                keep(node, follow(node, flat), wanted.get(id(node), ()))
+                                for key in reading:
+                                    left = uses[key] - 1
+                                    uses[key] = left
+                                    if left == 0:
+                                        env.pop(key, None)
                     except Exception as e:
                         raise self._failure(node, e) from e
                     for key in keys:
@@ -288,12 +324,7 @@ class Replay:
 
     def alloc(self, node: Node, wanted) -> None:
         """Outputs whose contents later writes overwrite: allocated, not computed."""
-        env = self.env
-        for pos, value in self.plan.liveness.alloc[id(node)].items():
-            if pos in wanted:
-                env[(node, pos)] = torch.empty_strided(
-                    value.size, value.stride, dtype=value.dtype, device=self.device_map(value.device)
-                )
+        _allocate(self.env, node, self.plan.liveness.alloc[id(node)], wanted, self.device_map)
 
     def direct(self, node: Node) -> None:
         """A ``copy_`` from a checkpoint tensor: read straight into its destination."""
@@ -608,6 +639,17 @@ class Replay:
 
 _BY_KIND = {"op": Replay.call, "opaque": Replay.call, "external": Replay.external,
             "constant": Replay.constant, "load": Replay.load}
+
+
+def _allocate(env, node, allocs, wanted, device_map) -> None:
+    for pos, value in allocs.items():
+        if pos in wanted:
+            env[(node, pos)] = torch.empty_strided(value.size, value.stride, dtype=value.dtype,
+                                                   device=device_map(value.device))
+
+
+def _same_device(device):
+    return device
 
 
 def aliases_with_grad(node: Node) -> bool:
