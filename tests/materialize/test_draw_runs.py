@@ -23,7 +23,15 @@ EXPLICIT = torch.Generator()
 
 
 def _factories(i: int) -> torch.Tensor:
-    kind = i % 6
+    kind = i % 10
+    if kind == 6:
+        return torch.empty(3, 2).uniform_(-0.5, 0.5)  # a fill of an allocation
+    if kind == 7:
+        return nn.init.kaiming_uniform_(torch.empty(4, 3), a=5 ** 0.5)
+    if kind == 8:
+        return torch.empty(5, dtype=torch.float64).normal_()
+    if kind == 9:
+        return torch.empty(2, 2).exponential_()
     if kind == 0:
         return torch.randn(3)
     if kind == 1:
@@ -106,6 +114,27 @@ def test_runs_equal_eager_and_leave_the_generator_as_eager(breaker):
 @pytest.mark.parametrize("breaker", [None, _reseed, _fork, _fork_kept], ids=lambda b: getattr(b, "__name__", "none"))
 def test_runs_cut_by_materializing_one_tensor_at_a_time(breaker, order):
     check_exact(Runs, 40, breaker, order=order)
+
+
+class Linears(nn.Module):
+    """nn.Linear's empty, empty, uniform_, uniform_ in runs, with ``breaker``
+    between layers and a weight read by a later computation."""
+
+    def __init__(self, n: int, breaker=None):
+        super().__init__()
+        layers = []
+        for i in range(n):
+            if breaker is not None:
+                breaker(i)
+            layers.append(nn.Linear(3, 2, dtype=torch.float64 if i % 4 == 1 else None))
+        self.layers = nn.ModuleList(layers)
+        self.register_buffer("norm", self.layers[2].weight.detach().norm())
+
+
+@pytest.mark.parametrize("order", ["module", "reverse", 3])
+@pytest.mark.parametrize("breaker", [None, _reseed, _fork_kept, _dtype], ids=lambda b: getattr(b, "__name__", "none"))
+def test_runs_of_allocations_and_fills(breaker, order):
+    check_exact(Linears, 40, breaker, order=order)
 
 
 class ExplicitRuns(nn.Module):
