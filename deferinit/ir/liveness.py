@@ -112,6 +112,27 @@ def _factory(node) -> bool:
     return not node.writes and not node.reshapes and Input not in map(type, node.flat)
 
 
+def _whole(inp, real_read) -> bool:
+    """A target whose whole history is one factory call (a randn, a constant):
+    nothing writes its storage, so that call is live, run as recorded."""
+    return inp.version is None and 0 not in inp.value.size and _factory(inp.value.node) and not real_read(inp)
+
+
+def all_whole(targets, universe: dict, extra, real_read) -> bool:
+    """Whether ``universe`` is the factory calls of ``targets``, one each (see
+    :func:`_whole`), and nothing else: every node live, run as recorded, no
+    scan needed (a model of random parameters materialized whole)."""
+    if extra or len(universe) != len(targets):
+        return False
+    seen = set()
+    for inp in targets:
+        nid = id(inp.value.node)
+        if nid in seen or nid not in universe or not _whole(inp, real_read):
+            return False
+        seen.add(nid)
+    return True
+
+
 # Off only to compare the lane with the general scan (tests/deferinit/test_liveness_lanes.py).
 _FILL_LANE = True
 
@@ -352,7 +373,7 @@ class Liveness:
         fills, allocated = _filled(self.targets, self.universe, real_read) if _FILL_LANE else ({}, {})
         for inp in self.targets:
             value = inp.value
-            if inp.version is None and 0 not in value.size and _factory(value.node) and not real_read(inp):
+            if _whole(inp, real_read):
                 whole.add(id(value.node))
                 continue
             if id(inp.version) in fills:

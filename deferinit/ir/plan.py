@@ -39,7 +39,7 @@ from deferinit.fake.device import normalize
 from ..errors import ReplayError
 from .graph import FreshRead, Input, Node, version_seq
 from .effects import is_load
-from .liveness import RUN, Liveness
+from .liveness import RUN, Liveness, all_whole
 from ..random.streams import ReplayStream, Stream, replay_streams
 
 
@@ -164,7 +164,8 @@ class Plan:
                 break
         self._mark_planned(needed)
 
-        if not self.eliminate:
+        if not self.eliminate or all_whole(self.targets, needed, self.extra, real_read):
+            # (All whole: every node is a target's one factory call, live as recorded.)
             self.order = sorted(needed.values(), key=lambda n: n.seq)
             return
         # -- dead-work elimination: of everything the reads could need, what

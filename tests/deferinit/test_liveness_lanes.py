@@ -142,3 +142,29 @@ def test_materialized_through_the_lane_equals_eager(name):
     materialize_module(m)
     assert_same_tensors(eager, m)
     assert torch.equal(torch.rand(4), after_eager)
+
+
+class _Factories(nn.Module):
+    def __init__(self, extra=False):
+        super().__init__()
+        self.ps = nn.ParameterList(nn.Parameter(torch.randn(3)) for _ in range(5))
+        self.register_buffer("z", torch.zeros(2))
+        if extra:
+            self.register_buffer("y", self.z + 1)  # not a factory's own output
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_all_whole_skips_the_scan_and_finds_what_it_finds(extra, monkeypatch):
+    """A universe of targets' factory calls and nothing else is planned without
+    the scan (every node live, run as recorded); the scan finds the same."""
+    torch.manual_seed(0)
+    m = deferred_init(_Factories, extra)
+    reads = [read_of(t) for t in list(m.parameters()) + list(m.buffers())]
+    shortcut = Plan(reads)
+    assert (shortcut.liveness is None) is not extra
+    monkeypatch.setattr("deferinit.ir.plan.all_whole", lambda *args: False)
+    scanned = Plan(reads)
+    assert [n.seq for n in shortcut.order] == [n.seq for n in scanned.order]
+    if not extra:
+        lv = scanned.liveness
+        assert not lv.modes and not lv.alloc and not lv.scratch and not lv.parts
