@@ -30,6 +30,7 @@ from .archive import ArchiveError, inflate, layout, read_archive
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
 from .nested import flatten_tensors
+from .parallel import in_pieces
 
 _I64 = 2**63 - 1
 _NOTHING_CHANGED = " Nothing was changed; the tensors stay deferred."
@@ -126,9 +127,11 @@ class Source:
     @staticmethod
     def reader(entry, fd: int):
         """``read(position, buffer)``: exactly ``len(buffer)`` bytes of the file ``fd``
-        from ``position``, straight into ``buffer``."""
+        from ``position``, straight into ``buffer``; a large buffer is read in
+        pieces by as many threads as torch's intra-op setting allows
+        (:func:`.parallel.in_pieces`)."""
 
-        def read(position: int, buffer: memoryview) -> None:
+        def read_piece(position: int, buffer: memoryview) -> None:
             done = 0
             while done < len(buffer):
                 n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
@@ -138,6 +141,9 @@ class Source:
                         f"(the file is truncated).{_NOTHING_CHANGED}"
                     )
                 done += n
+
+        def read(position: int, buffer: memoryview) -> None:
+            in_pieces(read_piece, position, buffer)
 
         return read
 
