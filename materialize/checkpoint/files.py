@@ -36,8 +36,9 @@ _I64 = 2**63 - 1
 _NOTHING_CHANGED = " Nothing was changed; the tensors stay deferred."
 
 
-def identity(path: str) -> tuple:
-    st = os.stat(path)
+def identity(path) -> tuple:
+    """What tells a file apart from another, or from itself rewritten (``path``: a path or an open file)."""
+    st = os.fstat(path.fileno()) if hasattr(path, "fileno") else os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -158,10 +159,7 @@ class Source:
 
 # -- safetensors --------------------------------------------------------------------
 
-# Bits per element of every dtype of the format, and the torch dtype safetensors.torch gives.
-_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-         "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
-         "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+# The torch dtype safetensors.torch gives for each dtype of the format.
 _DTYPES = {name: getattr(torch, attr) for name, attr in {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
@@ -183,7 +181,7 @@ class SafetensorsFile(Source):
         from safetensors import SafetensorError, safe_open
 
         with open_regular(self.path) as f:
-            before = os.fstat(f.fileno())
+            before = identity(f)
             head = f.read(8)
             try:
                 with safe_open(self.path, framework="pt") as st:
@@ -191,13 +189,12 @@ class SafetensorsFile(Source):
                     tensors = [(k, s.get_dtype(), tuple(s.get_shape())) for k, s in tensors]
             except (SafetensorError, OSError, ValueError) as e:
                 raise ArchiveError(str(e).strip()) from None
-            if identity(self.path) != (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns):
+            if identity(self.path) != before:
                 raise ArchiveError("it changed while its header was read")
-        identities[self.path] = identity(self.path)
+        identities[self.path] = before
         position = 8 + struct.unpack("<Q", head)[0]
         found = {}
         for key, name, shape in tensors:
-            nbytes = _BITS.get(name, 0) * math.prod(shape) // 8
             if name not in _DTYPES:
                 raise ArchiveError(f"{key!r} has dtype {name}, which PyTorch cannot hold")
             if any(d > _I64 for d in shape):
@@ -208,7 +205,7 @@ class SafetensorsFile(Source):
                 shape = (*shape[:-1], shape[-1] // 2)
             lay = (_DTYPES[name], shape, position, 0, contiguous_strides(shape))
             found[key] = (Entry(self, key, *lay), lay)
-            position += nbytes
+            position += _DTYPES[name].itemsize * math.prod(shape)
         return found
 
 
@@ -224,9 +221,8 @@ class TorchFile(Source):
 
     def _parse(self, identities: dict) -> dict:
         with open_regular(self.path) as f:
-            st = os.fstat(f.fileno())
+            identities[self.path] = identity(f)
             obj, records = read_archive(f)
-        identities[self.path] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if not isinstance(obj, dict):
             raise ArchiveError(f"it holds a {type(obj).__name__}, not a dict of tensors (load_state_dict refuses it)")
         found = {}
