@@ -33,21 +33,22 @@ def build():
     return nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 16))  # a 16 MiB weight (four pieces)
 
 
-def _pread_threads(monkeypatch, wait_for_helper=False) -> list:
-    """The threads each ``os.preadv`` of at least a piece ran in; ``wait_for_helper``:
-    the main thread's reads wait (up to 5 s) until another thread has read (so that
-    a loaded machine, where the caller could take every piece, does not decide)."""
+def _pread_threads(monkeypatch, wait_for_both=False) -> list:
+    """The threads each ``os.preadv`` of at least a piece ran in; ``wait_for_both``:
+    a read by the main thread waits (up to 5 s) until a helper has read, and a
+    helper's until the main thread has (so that a loaded machine, where either
+    could take every piece before the other runs, does not decide)."""
     seen = []
     real = os.preadv
-    helper_read = threading.Event()
+    read_by = {"main": threading.Event(), "helper": threading.Event()}
 
     def spy(fd, buffers, position, *rest):
         if sum(len(b) for b in buffers) >= parallel.PIECE_BYTES:
             seen.append((threading.get_ident(), threading.current_thread().name, torch.get_num_threads()))
-            if threading.current_thread() is not threading.main_thread():
-                helper_read.set()
-            elif wait_for_helper:
-                helper_read.wait(5)
+            mine, other = ("main", "helper") if threading.current_thread() is threading.main_thread() else ("helper", "main")
+            read_by[mine].set()
+            if wait_for_both:
+                read_by[other].wait(5)
         return real(fd, buffers, position, *rest)
 
     monkeypatch.setattr(os, "preadv", spy)
@@ -68,7 +69,7 @@ def test_a_large_tensor_is_read_by_several_threads_with_eager_values(tmp_path, m
     save_file(build().state_dict(), str(path))
     eager = build()
     eager.load_state_dict(load_file(str(path)))
-    seen = _pread_threads(monkeypatch, wait_for_helper=True)
+    seen = _pread_threads(monkeypatch, wait_for_both=True)
 
     m = deferred_init(build)
     load_checkpoint(m, path)
