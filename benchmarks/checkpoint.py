@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -142,6 +143,7 @@ def child(model_name: str, arm: str, folder: str, quick: bool) -> dict:
     torch.manual_seed(0)
     base = status()["VmRSS"]
     io0 = io()
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     if arm == "eager":
         m = build()
@@ -169,6 +171,7 @@ def child(model_name: str, arm: str, folder: str, quick: bool) -> dict:
     else:
         raise ValueError(arm)
     seconds = time.perf_counter() - start
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
     peak_load = status()["VmHWM"]
     start = time.perf_counter()
     with torch.no_grad():  # a first use of every weight, no copy of it
@@ -180,6 +183,8 @@ def child(model_name: str, arm: str, folder: str, quick: bool) -> dict:
         "read_bytes": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"],
         "checksum": checksum, "tied": (m.head.weight is m.wte.weight) if hasattr(m, "wte") else None,
         "dynamo": "torch._dynamo" in sys.modules,
+        "user": ru1.ru_utime - ru0.ru_utime, "sys": ru1.ru_stime - ru0.ru_stime,
+        "minflt": ru1.ru_minflt - ru0.ru_minflt,
     }
 
 

@@ -81,6 +81,7 @@ MODULES = [
     "deferinit.materialize.checkpoint.pickle_scan",
     "deferinit.materialize.checkpoint.nested",
     "deferinit.materialize.checkpoint.files",
+    "deferinit.materialize.checkpoint.parallel",
     "deferinit.materialize.checkpoint.undo",
     "deferinit.materialize.checkpoint.fingerprints",
 ]

@@ -5,10 +5,11 @@ piece to copy is ``offset + sum(i_k * strides[k])`` for every index ``i`` of
 ``sizes`` (the whole tensor, a shard, a column block...), and the
 destination is any real tensor of shape ``sizes``.  The index space is cut
 into *runs*, stretches contiguous in the file and in the destination, and
-each run is read with one ``pread`` straight into the destination's memory
-when its dtype is the file's and it lives on the CPU: no intermediate copy,
-and the file's pages stay in the page cache, not in this process (bools
-are then stored as 0 or 1, as ``copy_`` stores them).
+each run is read with ``pread`` straight into the destination's memory (a
+large run in pieces, by several threads: :mod:`.parallel`) when its dtype is
+the file's and it lives on the CPU: no intermediate copy, and the file's
+pages stay in the page cache, not in this process (bools are then stored as
+0 or 1, as ``copy_`` stores them).
 Otherwise (another dtype, another device) rows of at most
 :data:`CHUNK_BYTES` are read into a buffer and copied with ``copy_``, which
 casts as ``load_state_dict`` does.

@@ -108,8 +108,7 @@ def _read_layouts(path: str, wanted: dict, layouts: dict, identities: dict) -> d
     for name, items in by_file.items():
         full = os.path.join(path, name)
         with open_regular(full) as f:
-            st = os.fstat(f.fileno())
-            identities[full] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            identities[full] = identity(f)
             for key, i in items:
                 dtype, chunk = layouts[key][0], layouts[key][2][i]
                 what = f"{key!r} of {path}: the chunk at bytes {chunk.start}..{chunk.start + chunk.length} of {full}"

@@ -30,13 +30,15 @@ from .archive import ArchiveError, inflate, layout, read_archive
 from .copying import copy_strided
 from .entries import Entry, contiguous_strides
 from .nested import flatten_tensors
+from .parallel import in_pieces
 
 _I64 = 2**63 - 1
 _NOTHING_CHANGED = " Nothing was changed; the tensors stay deferred."
 
 
-def identity(path: str) -> tuple:
-    st = os.stat(path)
+def identity(path) -> tuple:
+    """What tells a file apart from another, or from itself rewritten (``path``: a path or an open file)."""
+    st = os.fstat(path.fileno()) if hasattr(path, "fileno") else os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -126,9 +128,11 @@ class Source:
     @staticmethod
     def reader(entry, fd: int):
         """``read(position, buffer)``: exactly ``len(buffer)`` bytes of the file ``fd``
-        from ``position``, straight into ``buffer``."""
+        from ``position``, straight into ``buffer``; a large buffer is read in
+        pieces by as many threads as torch's intra-op setting allows
+        (:func:`.parallel.in_pieces`)."""
 
-        def read(position: int, buffer: memoryview) -> None:
+        def read_piece(position: int, buffer: memoryview) -> None:
             done = 0
             while done < len(buffer):
                 n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
@@ -138,6 +142,9 @@ class Source:
                         f"(the file is truncated).{_NOTHING_CHANGED}"
                     )
                 done += n
+
+        def read(position: int, buffer: memoryview) -> None:
+            in_pieces(read_piece, position, buffer)
 
         return read
 
@@ -152,10 +159,7 @@ class Source:
 
 # -- safetensors --------------------------------------------------------------------
 
-# Bits per element of every dtype of the format, and the torch dtype safetensors.torch gives.
-_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-         "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32,
-         "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+# The torch dtype safetensors.torch gives for each dtype of the format.
 _DTYPES = {name: getattr(torch, attr) for name, attr in {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
     "I16": "int16", "I8": "int8", "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
@@ -177,7 +181,7 @@ class SafetensorsFile(Source):
         from safetensors import SafetensorError, safe_open
 
         with open_regular(self.path) as f:
-            before = os.fstat(f.fileno())
+            before = identity(f)
             head = f.read(8)
             try:
                 with safe_open(self.path, framework="pt") as st:
@@ -185,13 +189,12 @@ class SafetensorsFile(Source):
                     tensors = [(k, s.get_dtype(), tuple(s.get_shape())) for k, s in tensors]
             except (SafetensorError, OSError, ValueError) as e:
                 raise ArchiveError(str(e).strip()) from None
-            if identity(self.path) != (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns):
+            if identity(self.path) != before:
                 raise ArchiveError("it changed while its header was read")
-        identities[self.path] = identity(self.path)
+        identities[self.path] = before
         position = 8 + struct.unpack("<Q", head)[0]
         found = {}
         for key, name, shape in tensors:
-            nbytes = _BITS.get(name, 0) * math.prod(shape) // 8
             if name not in _DTYPES:
                 raise ArchiveError(f"{key!r} has dtype {name}, which PyTorch cannot hold")
             if any(d > _I64 for d in shape):
@@ -202,7 +205,7 @@ class SafetensorsFile(Source):
                 shape = (*shape[:-1], shape[-1] // 2)
             lay = (_DTYPES[name], shape, position, 0, contiguous_strides(shape))
             found[key] = (Entry(self, key, *lay), lay)
-            position += nbytes
+            position += _DTYPES[name].itemsize * math.prod(shape)
         return found
 
 
@@ -218,9 +221,8 @@ class TorchFile(Source):
 
     def _parse(self, identities: dict) -> dict:
         with open_regular(self.path) as f:
-            st = os.fstat(f.fileno())
+            identities[self.path] = identity(f)
             obj, records = read_archive(f)
-        identities[self.path] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if not isinstance(obj, dict):
             raise ArchiveError(f"it holds a {type(obj).__name__}, not a dict of tensors (load_state_dict refuses it)")
         found = {}
