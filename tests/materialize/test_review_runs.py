@@ -334,3 +334,96 @@ def test_shuffled_single_tensors_then_the_stream(seed):
     eager, eager_next, d, d_next = _build(Mixed, mat)
     assert_same_tensors(eager, d)
     _assert_stream(eager_next, d_next)
+
+
+# -- Ctrl-C at any line of a materialization made of runs --------------------------
+
+_SWEEP = r'''
+import os, sys
+os.environ["DEFERINIT_INTERRUPTS"] = "ci"
+import deferinit, deferinit.materialize  # before tests/ joins the path (tests/deferinit/)
+sys.path.append(os.path.join(os.getcwd(), "tests"))
+import torch, torch.nn as nn
+import test_interrupts as ti
+from deferinit import deferred_init
+from deferinit.materialize import materialize_module, materialize_tensor
+from helpers import assert_same_tensors
+
+G = torch.Generator()
+
+
+class RunsNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        ps = []
+        for i in range(12):
+            ps.append(nn.Parameter(torch.randn(3)))
+            ps.append(nn.Parameter(torch.empty(2).uniform_(generator=G if i % 5 == 4 else None)))
+            if i % 6 == 2:
+                with torch.random.fork_rng():
+                    torch.randn(2)
+            ps.append(nn.Parameter(torch.rand(2, dtype=torch.float64)))
+        self.ps = nn.ParameterList(ps)
+        self.lin = nn.Linear(3, 3)
+        self.register_buffer("row", self.lin.weight.data[1])
+        _ = torch.rand(2)
+
+
+def _seed():
+    torch.manual_seed(0)
+    G.manual_seed(1)
+
+
+_seed()
+EAGER = RunsNet()
+AFTER = (torch.rand(8), torch.rand(8, generator=G))
+
+
+class Sweep:
+    def __init__(self, partial):
+        self.partial = partial
+        self.name = "runs" + (" after a part" if partial else "")
+
+    def setup(self):
+        _seed()
+        m = deferred_init(RunsNet)
+        if self.partial:
+            for p in list(m.ps)[::5]:
+                materialize_tensor(p)
+        return {"m": m}
+
+    def act(self, state):
+        materialize_module(state["m"])
+
+    def check(self, state, interrupted):
+        m = state["m"]
+        if self.partial or ti._all_or_nothing(m):
+            materialize_module(m)
+        assert_same_tensors(EAGER, m)
+        assert torch.equal(torch.rand(8), AFTER[0]), "the default generator differs from eager's"
+        assert torch.equal(torch.rand(8, generator=G), AFTER[1]), "the explicit generator differs"
+
+
+for sweep in (Sweep(False), Sweep(True)):
+    n = ti._lines_of(sweep)
+    ks = sorted({1 + (i * (n - 1)) // 199 for i in range(200)})
+    hit = sum(ti._trial(sweep, lambda state, k=k: ti._run_traced(sweep, state, k)[0]) for k in ks)
+    assert hit >= 0.9 * len(ks), (sweep.name, hit, len(ks))
+    print(sweep.name, n, "lines,", hit, "of", len(ks), "trials interrupted")
+'''
+
+
+def test_an_interrupt_at_any_line_of_a_materialization_made_of_runs():
+    """tests/test_interrupts.py's line tracer over a model of runs (factories,
+    fills of allocations, an explicit generator, forks, a view buffer): each
+    trial ends all deferred (or, after a part, the rest deferred) and then
+    eager's, or all eager's; both generators as eager left them.  In a
+    process of its own, as tests/test_interrupts.py runs its trials."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _SWEEP], capture_output=True, text=True, cwd=root, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count("trials interrupted") == 2, r.stdout
