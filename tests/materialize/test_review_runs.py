@@ -427,3 +427,89 @@ def test_an_interrupt_at_any_line_of_a_materialization_made_of_runs():
     r = subprocess.run([sys.executable, "-c", _SWEEP], capture_output=True, text=True, cwd=root, timeout=500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert r.stdout.count("trials interrupted") == 2, r.stdout
+
+
+# -- a seeded mix of everything above -----------------------------------------------
+
+
+def _mix(seed: int, n: int):
+    """A constructor drawing ``n`` random steps (factories and fills on the default
+    or an explicit generator, reseeds, forks, default dtypes, values read later,
+    discarded draws, an explicit generator's older state put back, views)."""
+
+    def ctor():
+        rnd = random.Random(seed)
+        G1.manual_seed(seed)
+        m = nn.Module()
+        ps, saved = [], None
+        for i in range(n):
+            k = rnd.randrange(16)
+            gen = G1 if rnd.random() < 0.2 else None
+            if k == 0:
+                ps.append(nn.Parameter(torch.randn(rnd.randrange(1, 20), generator=gen)))
+            elif k == 1:
+                ps.append(nn.Parameter(torch.empty(rnd.randrange(1, 6)).uniform_(generator=gen)))
+            elif k == 2:
+                ps.append(nn.Parameter(torch.rand(2, 2, dtype=torch.float64, generator=gen)))
+            elif k == 3:
+                torch.manual_seed(rnd.randrange(100))
+            elif k == 4:
+                with torch.random.fork_rng():
+                    x = torch.randn(3)
+                if rnd.random() < 0.5:
+                    ps.append(nn.Parameter(x))
+            elif k == 5:
+                torch.set_default_dtype(rnd.choice([torch.float32, torch.float64]))
+            elif k == 6 and ps:
+                m.register_buffer(f"r{i}", ps[rnd.randrange(len(ps))].detach() * 2 + torch.rand(1))
+            elif k == 7:
+                torch.randn(rnd.randrange(1, 30), generator=gen)  # discarded
+            elif k == 8:
+                saved = G1.get_state()
+            elif k == 9 and saved is not None:
+                G1.set_state(saved)
+            elif k == 10:
+                ps.append(nn.Parameter(torch.randint(0, 9, (4,), generator=gen).float()))
+            elif k == 11:
+                b = torch.empty(6).normal_(generator=gen)
+                m.register_buffer(f"v{i}", b[rnd.randrange(3):])
+            elif k == 12:
+                ps.append(nn.Parameter(torch.bernoulli(torch.rand(3), generator=gen)))
+            elif k == 13:
+                ps.append(nn.Parameter(nn.init.kaiming_uniform_(torch.empty(3, 2), a=2.2, generator=gen)))
+            elif k == 14:
+                ps.append(nn.Parameter(torch.randperm(rnd.randrange(1, 12), generator=gen).float()))
+            else:
+                ps.append(nn.Parameter(torch.empty(3).exponential_(generator=gen)))
+        m.ps = nn.ParameterList(ps)
+        torch.set_default_dtype(torch.float32)
+        return m
+
+    return ctor
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_a_seeded_mix_against_eager(seed):
+    ctor = _mix(seed, 60 + 7 * seed)
+    rnd = random.Random(1000 + seed)
+    how = ("whole", "tensor by tensor", "a third then the rest", "buffers first")[seed % 4]
+
+    def mat(d):
+        if how == "whole":
+            materialize_module(d)
+        elif how == "tensor by tensor":
+            materialize_in_order(d, 1000 + seed)
+        elif how == "a third then the rest":
+            ts = list(d.parameters())
+            rnd.shuffle(ts)
+            for t in ts[: len(ts) // 3]:
+                materialize_tensor(t)
+            materialize_module(d)
+        else:
+            materialize_module(d, buffers_only=True)
+            materialize_module(d)
+
+    eager, eager_next, d, d_next = _build(ctor, mat)
+    assert_same_tensors(eager, d)
+    if how != "tensor by tensor":
+        _assert_stream(eager_next, d_next)
