@@ -20,7 +20,7 @@ from deferinit.random.jumps import FALLBACKS, Cursor, checked, draw_part
 from deferinit.random.realdraws import with_generator
 from deferinit.random.record import FOREIGN
 from deferinit.random.rng import SAME, default_generator, generator_of, get_state, scratch_generator, set_state
-from deferinit.random.streams import state_before
+from deferinit.random.streams import continues, state_before
 
 from .boxed import caller
 from .errors import DeviceUnavailableError
@@ -107,8 +107,7 @@ class Draws:
         entry = self._cursors.get(id(rs))
         cursor = entry[0] if entry is not None else self._cursor(rs, node)
         if cursor is not None:
-            # walk_back's first step, asked here: most draws follow the one before.
-            if not index or index in rs.events or index - 1 in rs.post:
+            if not continues(rs, index):  # most draws follow the one before
                 self._start(rs, cursor, index)
             if part is not None and self._call_part(rs, cursor, node, index, args, kwargs, part):
                 return args[0]

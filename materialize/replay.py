@@ -42,6 +42,7 @@ from deferinit.errors import MaterializationError, ReplayError
 from deferinit.ir.graph import NOTHING_SEEN, Input, Node
 from deferinit.ir.liveness import ALLOC, DIRECT, GENERATOR, RUN
 from deferinit.ir.plan import Plan, real_read, read_of
+from deferinit.random.streams import continues
 from deferinit.fake.device import exists
 from deferinit.fake.bypass import no_python_dispatch
 from deferinit.fake.gradmode import below_autograd
@@ -192,7 +193,7 @@ class Replay:
                         index = rs.index[id(node)]
                         dtype = node.default_dtype
                         follows = (open_batch and last[0] is rs and last[1] == index - 1 and last[2] is dtype
-                                   and index not in rs.events and index - 1 not in rs.post)
+                                   and continues(rs, index))
                         batch = last[3] if follows else []
                         last = (rs, index, dtype, batch)
                         if not xs:
@@ -266,9 +267,9 @@ class Replay:
                                 if type(node) is not tuple:  # a random factory
                                     keep(node, follow(node), wanted.get(id(node), ()))
                                     continue
-                                if len(node) == 2:  # an allocation (no device to map)
+                                if len(node) == 2:  # an allocation
                                     node, allocs = node
-                                    _allocate(env, node, allocs, wanted.get(id(node), ()), _same_device)
+                                    _allocate(env, node, allocs, wanted.get(id(node), ()), self.device_map)
                                     continue
                                 node, reading, first = node  # a fill
                                 if first:
@@ -646,10 +647,6 @@ def _allocate(env, node, allocs, wanted, device_map) -> None:
         if pos in wanted:
             env[(node, pos)] = torch.empty_strided(value.size, value.stride, dtype=value.dtype,
                                                    device=device_map(value.device))
-
-
-def _same_device(device):
-    return device
 
 
 def aliases_with_grad(node: Node) -> bool:

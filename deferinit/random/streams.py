@@ -174,6 +174,13 @@ def walk_back(stream, k: int, draws: list | None = None, seen: set | None = None
         draws.append(stream.nodes[k])
 
 
+def continues(stream, k: int) -> bool:
+    """Whether nothing but draw ``k - 1`` tells the state right before draw ``k``
+    (no event there, no state cached after ``k - 1``, not the start):
+    :func:`walk_back`'s first step, asked alone on the replay's hot path."""
+    return k != 0 and k not in stream.events and k - 1 not in stream.post
+
+
 def state_before(stream, k: int) -> torch.Tensor | None:
     """The exact state of ``stream``'s generator right before its draw ``k``, as far as
     it is known without replaying (None: a draw not replayed yet stands between,
