@@ -152,9 +152,7 @@ class Draws:
             return self.call(node, args, kwargs)  # the first of its kind, or not on a CPU generator
         kwargs["generator"] = rs.generator
         out = how[0](*args, **kwargs)
-        index = entry[1] = rs.index[id(node)]
-        if (id(rs), index) in self._looked_up:
-            self._learn(rs)
+        self._passed(rs, rs.index[id(node)])
         return out
 
     def _call_part(self, rs, cursor, node, index, args, kwargs, part) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from deferinit.fake.bypass import plain_queries
 from deferinit.ir.plan import read_of
 
 from .errors import AutogradMaterializationError
@@ -41,8 +42,6 @@ from .generators import committed_then_handed_over, records_of
 from .graphcheck import check_graph
 from .progress import start_progress
 from .replay import Replay
-from deferinit.fake.bypass import plain_queries
-
 from .swap import Swaps, dress, dress_leaf
 
 
