@@ -121,7 +121,15 @@ def _whole(inp, real_read) -> bool:
 def all_whole(targets, universe: dict, extra, real_read) -> bool:
     """Whether ``universe`` is the factory calls of ``targets``, one each (see
     :func:`_whole`), and nothing else: every node live, run as recorded, no
-    scan needed (a model of random parameters materialized whole)."""
+    scan needed (a model of random parameters materialized whole).
+
+    Example::
+
+        >>> from deferinit.ir.plan import Plan, read_of
+        >>> ps = deferred_init(lambda: torch.nn.ParameterList([torch.nn.Parameter(torch.randn(2))]))
+        >>> Plan([read_of(ps[0])]).liveness is None       # all whole: planned without the scan
+        True
+    """
     if extra or len(universe) != len(targets):
         return False
     seen = set()

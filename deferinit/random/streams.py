@@ -177,7 +177,15 @@ def walk_back(stream, k: int, draws: list | None = None, seen: set | None = None
 def continues(stream, k: int) -> bool:
     """Whether nothing but draw ``k - 1`` tells the state right before draw ``k``
     (no event there, no state cached after ``k - 1``, not the start):
-    :func:`walk_back`'s first step, asked alone on the replay's hot path."""
+    :func:`walk_back`'s first step, asked alone on the replay's hot path.
+
+    Example::
+
+        >>> m = deferred_init(torch.nn.Linear, 4, 3)    # two draws: weight, bias
+        >>> stream = m.weight._record.streams[torch.device("cpu")]
+        >>> continues(stream, 0), continues(stream, 1)
+        (False, True)
+    """
     return k != 0 and k not in stream.events and k - 1 not in stream.post
 
 
