@@ -419,15 +419,21 @@ def _failures(r) -> str:
     return head + r.stdout[-4000:] + r.stderr[-3000:]
 
 
-class _AtLine:
-    """A trace function raising KeyboardInterrupt at the k-th line of the project's files."""
+def _project(code) -> bool:
+    return code.co_filename.startswith(PROJECT)
 
-    def __init__(self, k):
+
+class _AtLine:
+    """A trace function raising KeyboardInterrupt at the k-th line of the project's
+    files (or of the code objects ``watched(code)`` accepts)."""
+
+    def __init__(self, k, watched=_project):
         self.k = k
         self.count = 0
+        self.watched = watched
 
     def __call__(self, frame, event, arg):
-        if frame.f_code.co_filename.startswith(PROJECT):
+        if self.watched(frame.f_code):
             return self._line
         return None
 

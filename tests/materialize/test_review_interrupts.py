@@ -16,6 +16,7 @@ import torch.nn as nn
 from deferinit import deferred_init, is_deferred
 from deferinit.materialize import load_checkpoint, materialize_module
 from helpers import assert_same_tensors
+from test_interrupts import _AtLine  # its trace function, given the functions watched here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The functions whose lines are interrupted, by file.
@@ -41,23 +42,8 @@ class Net(nn.Module):
         self.b = nn.Linear(3, 2)
 
 
-class _AtLine:
-    def __init__(self, k):
-        self.k, self.count = k, 0
-
-    def __call__(self, frame, event, arg):
-        names = WATCHED.get(frame.f_code.co_filename)
-        if names is not None and frame.f_code.co_name in names:
-            return self._line
-        return None
-
-    def _line(self, frame, event, arg):
-        if event == "line":
-            self.count += 1
-            if self.count == self.k:
-                sys.settrace(None)
-                raise KeyboardInterrupt(f"line {frame.f_code.co_filename}:{frame.f_lineno}")
-        return self._line
+def _watched(code) -> bool:
+    return code.co_name in WATCHED.get(code.co_filename, ())
 
 
 def _loads(m):
@@ -84,7 +70,7 @@ def test_an_interrupt_at_each_line_of_the_new_paths(load):
         if load:
             _loads(d)
         before, g_before = torch.get_rng_state(), G.get_state()
-        tracer = _AtLine(k)
+        tracer = _AtLine(k, _watched)
         interrupted = False
         sys.settrace(tracer)
         where = None
