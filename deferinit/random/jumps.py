@@ -65,7 +65,6 @@ from ..ir.graph import Input
 from .mt19937 import EXTEND_BELOW, advance, jump_is_cheap, normal_cache, without_normal_cache
 from .rng import get_state, set_state
 
-aten = torch.ops.aten
 
 _FLOATS = {torch.float32: 1, torch.float16: 1, torch.bfloat16: 1, torch.float64: 2}
 _REDUCED = (torch.float16, torch.bfloat16)
