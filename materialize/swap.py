@@ -230,19 +230,6 @@ def _noted(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return type(a), a.__dict__, a._cdata, type(b), b.__dict__
 
 
-def swap_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()) -> Swaps:
-    """Swap each ``(fake, dressed_real)`` pair and rebuild ``wrappers`` around them
-    (see :class:`Swaps`); undo everything if one fails.  Returns the
-    :class:`Swaps`, whose ``undo`` puts them back."""
-    swaps = Swaps(pairs, wrappers)
-    try:
-        swaps.run()
-    except BaseException:
-        swaps.undo()
-        raise
-    return swaps
-
-
 def rebuilt(w: torch.Tensor) -> torch.Tensor:
     """A new ``type(w)`` built by its ``__tensor_unflatten__`` from ``w``'s inner
     objects and flatten context, with ``w``'s geometry, ``requires_grad`` and
