@@ -146,7 +146,10 @@ def view_versions(flat) -> tuple:
 
 
 def grad_fn_of(x: torch.Tensor):
-    """``x.grad_fn``, or None where autograd refuses to read it."""
+    """``x.grad_fn``, or None where reading it raises: a view taken under
+    ``no_grad`` whose base was written in place since (eagerly too), or a
+    view of a view of a fake after an in-place op on the base (see
+    docs/errors.md's known differences)."""
     try:
         return x.grad_fn
     except RuntimeError:

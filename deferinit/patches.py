@@ -51,9 +51,3 @@ def _diversions(module) -> dict:
 
 #: The trunc_normal_ diversion, held while any thread records.
 TRUNC_NORMAL = shared_patch("trunc normal", "torch.nn.init", lambda: _init, _diversions)
-
-
-def installed():
-    """Install the diversions for the duration of the block (nesting and threads safe;
-    a recording holds them under its entry instead, see deferinit.session)."""
-    return TRUNC_NORMAL.held()

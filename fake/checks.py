@@ -61,6 +61,16 @@ def _generator() -> torch.Generator:
     return g
 
 
+def _on_cpu(x):
+    # The stand-in calls run on the CPU with a generator of their own: the
+    # user's devices and generators are neither needed nor touched.
+    if isinstance(x, torch.Generator):
+        return _generator()
+    if isinstance(x, torch.device):
+        return _CPU
+    return x
+
+
 class _Facts:
     """Whether an operator's checks are made on small stand-ins, and with which
     overload (one taking a generator, for a random one), once per overload."""
@@ -205,15 +215,7 @@ def _check_small(func, facts, args, kwargs) -> None:
         key = None
     flat, spec = flatten(args, kwargs)
     with no_python_dispatch():
-        small = []
-        for x in flat:
-            if isinstance(x, torch.Tensor):
-                x = _small(x)
-            elif isinstance(x, torch.Generator):
-                x = _generator()
-            elif isinstance(x, torch.device):
-                x = _CPU
-            small.append(x)
+        small = [_small(x) if isinstance(x, torch.Tensor) else _on_cpu(x) for x in flat]
         a, k = unflatten(small, spec)
         a, k = _shrink_sizes(func, list(a), dict(k))
         if a is None:
@@ -278,11 +280,7 @@ def _check_overlap(func, args, kwargs) -> None:
             if isinstance(x, torch.Tensor):
                 base = memory[(x.untyped_storage()._cdata, x.dtype)]
                 x = base.as_strided(x.size(), x.stride(), x.storage_offset())
-            elif isinstance(x, torch.Generator):
-                x = _generator()
-            elif isinstance(x, torch.device):
-                x = _CPU
-            real.append(x)
+            real.append(_on_cpu(x))
         a, k = unflatten(real, spec)
         if random and k.get("generator") is None:
             k["generator"] = _generator()  # never the default generator

@@ -28,10 +28,6 @@ def plain():
     return _plain
 
 
-def deferred():
-    return _deferred
-
-
 def _is_deferred(x) -> bool:
     return getattr(x, "_record", None) is not None
 

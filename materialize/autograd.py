@@ -17,6 +17,7 @@ import itertools
 
 import torch
 
+from deferinit.grad import grad_fn_of
 from deferinit.ir.graph import FreshRead, Input
 from deferinit.ir.plan import real_read
 from deferinit.recorder import is_deferred_fake
@@ -27,17 +28,6 @@ from deferinit.fake.tensor import FakeTensor
 def leaf_token(t: torch.Tensor):
     """The :class:`deferinit.ir.graph.Leaf` of a fake leaf (None if autograd never read it)."""
     return t.__dict__.get("_leaf") if isinstance(t, FakeTensor) else None
-
-
-def grad_fn_of(t: torch.Tensor):
-    """``t.grad_fn``, or None where reading it raises: a view taken under
-    ``no_grad`` whose base was written in place since (eagerly too), or a
-    view of a view of a fake after an in-place op on the base (see
-    docs/errors.md's known differences)."""
-    try:
-        return t.grad_fn
-    except RuntimeError:
-        return None
 
 
 def _raises_grad_fn(t: torch.Tensor) -> bool:

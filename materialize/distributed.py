@@ -1,7 +1,7 @@
 """Materializing modules sharded across processes: FSDP2, tensor parallel, FSDP1.
 
 The public names of sharded materialization, in one place:
-:func:`materialize_sharded` and :func:`fsdp_held_fakes` (FSDP2 and tensor
+:func:`fsdp_held_fakes` (FSDP2 and tensor
 parallel, :mod:`deferinit.materialize.sharded`), :func:`sharded_memory_cost` and
 :class:`GroupCost` (:mod:`deferinit.materialize.sharded_cost`), :func:`param_init_fn`
 and :func:`fsdp1_hooks` (FSDP1, :mod:`deferinit.materialize.fsdp1`).
@@ -20,13 +20,12 @@ Example (on every rank of a process group)::
 
 from .fsdp1 import fsdp1_hooks, param_init_fn
 from .sharded_cost import GroupCost, sharded_memory_cost
-from .sharded import fsdp_held_fakes, materialize_sharded
+from .sharded import fsdp_held_fakes
 
 __all__ = [
     "fsdp1_hooks",
     "fsdp_held_fakes",
     "GroupCost",
-    "materialize_sharded",
     "param_init_fn",
     "sharded_memory_cost",
 ]

@@ -31,13 +31,9 @@ import sys
 import torch
 
 from deferinit.fake.extent import extent_of
-from deferinit.holdings import module_tensors
 from deferinit.ir.plan import closure, read_of
 from deferinit.recorder import is_deferred_fake
-from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
-
-from .autograd import needs_graph, real_root_of
-from .pipeline import materialize
+from deferinit.wrappers import inner_tensors, is_wrapper
 
 
 def _holds_wrappers(module: torch.nn.Module) -> bool:
@@ -125,36 +121,6 @@ def sharding_of(module, wrappers=()) -> Sharding | None:
     return Sharding(module, wrappers) if _holds_wrappers(module) else None
 
 
-def materialize_sharded(module, targets, *, device=None, inference=False, progress=None, counted=None,
-                        wrappers=None) -> bool:
-    """Materialize ``targets`` (``(name, fake)`` pairs of ``module``) one group at a time.
-
-    Returns False, doing nothing, when ``module`` holds no wrapper subclass
-    (DTensor, a quantized tensor), or when a target needs eager's autograd
-    graph (:func:`deferinit.materialize.materialize_module` then replays
-    everything at once).  Fakes FSDP2 holds for the targets are added;
-    progress counts ``counted`` (default: the targets' fakes); ``wrappers``
-    (innermost first; by default those of ``module`` around the targets) are
-    rebuilt around their real inner tensors.  Every result is computed
-    before anything is swapped in: on failure the module is left as it was.
-    The steps are :func:`deferinit.materialize.pipeline.materialize`'s, with
-    :class:`Sharding` as its grouping.
-
-    Example::
-
-        >>> fully_shard(model)
-        >>> materialize_sharded(model, [("w", model.w._local_tensor)])
-        True
-    """
-    if not _holds_wrappers(module) or any(needs_graph(f) or real_root_of(f) for _, f in targets):
-        return False
-    if wrappers is None:
-        wrappers = _wrappers_around(module, targets)
-    materialize(targets, device=device, inference=inference, progress=progress, counted=counted,
-                wrappers=wrappers, sharding=Sharding(module, wrappers))
-    return True
-
-
 def groups(module, targets, wrappers=()) -> list[list]:
     """The targets plus the fakes FSDP2 holds on their storages, grouped by
     recorded storage (a shard and FSDP's padded buffer go together, so they
@@ -190,19 +156,6 @@ def groups(module, targets, wrappers=()) -> list[list]:
     ordered = list(by_group.values())
     ordered.sort(key=lambda group: _first_draw(group_closure(group)))
     return ordered
-
-
-def _wrappers_around(module, targets) -> list:
-    """The wrapper subclasses ``module`` holds around the ``targets``, innermost first."""
-    ids = {id(f) for _, f in targets}
-    found, seen = [], set()
-    for _, t, _, _ in module_tensors(module):
-        if any(id(x) in ids for _, x in inner_tensors(t)):
-            for w in wrapper_layers(t):
-                if id(w) not in seen:
-                    seen.add(id(w))
-                    found.append(w)
-    return found
 
 
 def group_closure(group) -> list:

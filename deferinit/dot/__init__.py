@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import pathlib
-import shutil
 
 import graphviz
 
@@ -28,7 +27,7 @@ from .style import STYLES
 
 __all__ = [
     "FORMATS", "STYLES", "GraphFormatError", "GraphViewError", "GraphvizNotFoundError",
-    "has_dot", "to_dot", "write",
+    "to_dot", "write",
 ]
 
 INSTALL_HINT = (
@@ -130,14 +129,3 @@ def write(dot: graphviz.Digraph, path, *, source_if_missing: bool = True) -> pat
         ) from None
     path.write_bytes(data)
     return path
-
-
-def has_dot() -> bool:
-    """Whether Graphviz's ``dot`` program is on ``PATH``.
-
-    Example::
-
-        >>> has_dot()   # False: write(g, "x.svg") saves x.dot and says how to install Graphviz
-        True
-    """
-    return shutil.which("dot") is not None

@@ -152,10 +152,6 @@ class Node:
         return facts
 
     @property
-    def inputs(self):
-        return [x for x in self.flat if type(x) is Input]
-
-    @property
     def name(self) -> str:
         if self.kind == "op":
             return str(self.target)

@@ -65,7 +65,6 @@ from ..ir.graph import Input
 from .mt19937 import EXTEND_BELOW, advance, jump_is_cheap, normal_cache, without_normal_cache
 from .rng import get_state, set_state
 
-aten = torch.ops.aten
 
 _FLOATS = {torch.float32: 1, torch.float16: 1, torch.bfloat16: 1, torch.float64: 2}
 _REDUCED = (torch.float16, torch.bfloat16)
@@ -119,12 +118,16 @@ def filled(node):
     return node.filled
 
 
-def _uniform(sizes, strides, dtype, family="uniform") -> Consumption | None:
-    w = _FLOATS.get(dtype)
-    if w is None:
-        return None
-    n = _numel(sizes)
-    return Consumption(n * w, layout=("each", w) if contiguous(sizes, strides) else None, family=family)
+def _words_each(words_of: dict, family: str):  # words_of[dtype] words per element
+    def count(sizes, strides, dtype) -> Consumption | None:
+        w = words_of.get(dtype)
+        if w is None:
+            return None
+        return Consumption(_numel(sizes) * w, layout=("each", w) if contiguous(sizes, strides) else None, family=family)
+    return count
+
+
+_uniform = _words_each(_FLOATS, "uniform")
 
 
 def _normal(sizes, strides, dtype) -> Consumption | None:
@@ -147,12 +150,7 @@ def _random_range(sizes, strides, dtype, span) -> Consumption | None:
     return Consumption(n, layout=("each", 1) if contiguous(sizes, strides) else None, family="random")
 
 
-def _random_full(sizes, strides, dtype) -> Consumption | None:
-    w = _FULL_RANGE.get(dtype)
-    if w is None:
-        return None
-    n = _numel(sizes)
-    return Consumption(n * w, layout=("each", w) if contiguous(sizes, strides) else None, family="random")
+_random_full = _words_each(_FULL_RANGE, "random")
 
 
 def _two_words(family):

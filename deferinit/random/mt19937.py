@@ -116,7 +116,6 @@ def state_words(state: torch.Tensor) -> np.ndarray:
 # -- GF(2) polynomials -------------------------------------------------------
 
 _SPREAD = np.array([sum(((b >> i) & 1) << (2 * i) for i in range(8)) for b in range(256)], np.uint16)
-_NBYTES = (DEGREE + 8) // 8
 
 
 def _square(a: int) -> int:
