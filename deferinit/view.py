@@ -16,11 +16,10 @@ import torch
 from deferinit.fake.flat import unflatten
 
 from .ir.graph import Input, Node
-from .recorder import is_deferred_fake
 from .ir.plan import Plan, read_of
 from .text import tensor_text
 from .holdings import module_tensors
-from .wrappers import inner_tensors
+from .wrappers import deferred_fakes_of
 
 
 def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
@@ -29,7 +28,7 @@ def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
     tensors of wrapper subclasses such as DTensor's local shards included,
     ties once) or of a single tensor."""
     if isinstance(obj, torch.Tensor):
-        return _fakes_of(obj, "tensor")
+        return deferred_fakes_of(obj, "tensor")
     if not isinstance(obj, torch.nn.Module):
         raise ValueError(f"expected a tensor or an nn.Module, got {type(obj).__name__}")
     seen = set()
@@ -38,17 +37,11 @@ def deferred_tensors(obj) -> list[tuple[str, torch.Tensor]]:
         for name, t, kind, _ in module_tensors(obj):
             if kind not in kinds:
                 continue
-            for label, fake in _fakes_of(t, name):
+            for label, fake in deferred_fakes_of(t, name):
                 if id(fake) not in seen:
                     seen.add(id(fake))
                     found.append((label, fake))
     return found
-
-
-def _fakes_of(t, name: str) -> list:
-    if is_deferred_fake(t):
-        return [(name, t)]
-    return [(name + path, x) for path, x in inner_tensors(t) if is_deferred_fake(x)]
 
 
 class Graph:

@@ -69,6 +69,24 @@ def inner_tensors(t: torch.Tensor, prefix: str = "") -> list[tuple[str, torch.Te
     return found
 
 
+def deferred_fakes_of(t, name: str) -> list:
+    """``(label, fake)`` for the deferred fakes behind ``t``: itself, or those
+    inside a wrapper subclass, labelled ``name`` plus their path.
+
+    Example::
+
+        >>> from torch.testing._internal.two_tensor import TwoTensor
+        >>> from deferinit import deferred
+        >>> with deferred():
+        ...     t = TwoTensor(torch.zeros(2), torch.ones(2))
+        >>> [label for label, _ in deferred_fakes_of(t, "w")]
+        ['w.a', 'w.b']
+    """
+    if is_deferred_fake(t):
+        return [(name, t)]
+    return [(name + path, x) for path, x in inner_tensors(t) if is_deferred_fake(x)]
+
+
 def wrapper_layers(t: torch.Tensor) -> list[torch.Tensor]:
     """The wrappers ``t`` is made of, innermost first and ``t`` last: the order
     in which they are rebuilt around real inner tensors.

@@ -12,19 +12,11 @@ from deferinit.fake.locking import locked
 from deferinit.fake.tensor import FakeTensor, is_fake
 from deferinit.holdings import attached, holdings
 from deferinit.recorder import is_deferred_fake
-from deferinit.wrappers import inner_tensors, is_wrapper, wrapper_layers
+from deferinit.wrappers import deferred_fakes_of, is_wrapper, wrapper_layers
 
 from .errors import AutogradMaterializationError
 from .pipeline import materialize
 from .sharded import sharding_of
-
-
-def _fakes_of(t, name: str) -> list:
-    """``(label, fake)`` for the deferred fakes behind ``t``: itself, or those
-    inside a wrapper subclass (see :mod:`deferinit.wrappers`)."""
-    if is_deferred_fake(t):
-        return [(name, t)]
-    return [(name + path, x) for path, x in inner_tensors(t) if is_deferred_fake(x)]
 
 
 def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = False) -> torch.Tensor:
@@ -54,11 +46,11 @@ def materialize_tensor(tensor: torch.Tensor, *, device=None, inference: bool = F
 
 
 def _materialize_tensor(tensor, device, inference) -> None:
-    targets = _fakes_of(tensor, "tensor")
+    targets = deferred_fakes_of(tensor, "tensor")
     wrappers = _wrappers_of(tensor, "tensor")
     # What the tensor carries (bitsandbytes' SCB; see deferinit.holdings.attached).
     for name, t in attached(tensor):
-        for label, fake in _fakes_of(t, name):
+        for label, fake in deferred_fakes_of(t, name):
             if all(fake is not f for _, f in targets):
                 targets.append((label, fake))
         wrappers += [w for w in _wrappers_of(t, name) if all(w is not x for x in wrappers)]
@@ -217,7 +209,7 @@ def _module_targets(module, buffers_only, check_fn):
                 continue
             if not wrapped and kind in ("parameter", "buffer") and is_wrapper(t):
                 wrapped = True
-            fakes = _fakes_of(t, name)
+            fakes = deferred_fakes_of(t, name)
             if not fakes:
                 continue
             if buffers_only and (kind == "parameter" or t.__dict__.get("_is_param")):

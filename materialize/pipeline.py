@@ -1,9 +1,8 @@
 """One materialization: plan -> replay -> dress -> swap -> hand over, all or nothing.
 
 Every way in (:func:`~deferinit.materialize.materialize_tensor`,
-:func:`~deferinit.materialize.materialize_module`,
-:func:`~deferinit.materialize.distributed.materialize_sharded`) runs
-:func:`materialize`, one sequence of steps:
+:func:`~deferinit.materialize.materialize_module`, sharded modules
+included) runs :func:`materialize`, one sequence of steps:
 
 1. **plan**: the targets, plus the autograd leaves of those computed from
    parameters with autograd (their graph is replayed on the leaf objects,

@@ -81,7 +81,7 @@ class Replay:
         (<class 'torch.Tensor'>, torch.Size([3, 2]))
     """
 
-    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, check_devices: bool = True, extra=(), autograd=None):
+    def __init__(self, targets: list[Input], *, device=None, inference: bool = False, labels=None, progress=None, extra=(), autograd=None):
         if device is not None and torch.device(device).type == "meta":
             label = next((l for l in labels or () if l), "the tensors")
             raise ValueError(
@@ -105,8 +105,7 @@ class Replay:
         # How each node runs otherwise than recorded (plan.mode's table, asked once per node).
         self._modes = self.plan.liveness.modes if self.plan.liveness is not None else {}
         self.device_map = self.plan.device_map
-        if check_devices:
-            self._check_devices()
+        self._check_devices()
 
     def _check_devices(self) -> None:
         devices = set()

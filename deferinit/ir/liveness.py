@@ -61,7 +61,7 @@ import torch
 
 from .effects import (
     ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, drawn_part, is_load,
-    is_view, load_parts, overwrites, root_value,
+    load_parts, overwrites, root_value,
 )
 from deferinit.fake.opinfo import op_info
 
