@@ -1,0 +1,95 @@
+"""Review attack on checkpoint loading (issue 27): parallel piece reads, the file
+changing under the load, read errors and interrupts inside piece reads, and the
+values it gives in the cases a hostile user tries, always compared with eager
+``load_state_dict`` of ``safetensors.torch.load_file`` / ``torch.load``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+
+from deferinit import CheckpointReadError, deferred_init, is_deferred
+from deferinit.materialize import load_checkpoint, materialize_module
+from deferinit.materialize.checkpoint import files, parallel
+from test_interrupts import _AtLine  # its trace function, given the functions watched here
+
+PARALLEL = os.path.abspath(parallel.__file__)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _helpers_end(timeout=5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(t.name == "deferinit-pread" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not any(t.name == "deferinit-pread" for t in threading.enumerate())
+
+
+def _same(eager: nn.Module, m: nn.Module) -> list:
+    """The names whose dtype, shape, strides or bytes differ."""
+    wrong = []
+    for (name, a), b in zip(eager.state_dict().items(), m.state_dict().values()):
+        if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+            wrong.append(name)
+        elif not torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)):
+            wrong.append(name)
+    return wrong
+
+
+# -- interrupts inside the parallel read ------------------------------------------------
+
+
+def test_an_interrupt_at_any_line_of_a_parallel_read_neither_hangs_nor_writes_after(two_threads):
+    """A Ctrl-C between two lines of in_pieces (the one-shot trace of
+    tests/test_interrupts.py, at every line the caller runs in turn): the call
+    raises within a few seconds, and no helper writes into the buffer once it has.
+    It hung when the interrupt fell between the caller counting its own piece
+    busy and counting it done, and helpers already started read on when it fell
+    among their starts."""
+    buffer = memoryview(bytearray(6 * parallel.PIECE_BYTES))
+
+    def read(position, piece):
+        time.sleep(0.001)
+        piece[:] = b"\1" * len(piece)
+
+    k = 0
+    while True:
+        k += 1
+        tracer = _AtLine(k, lambda code: code.co_filename == PARALLEL)
+        outcome = {}
+
+        def call():
+            sys.settrace(tracer)
+            try:
+                parallel.in_pieces(read, 0, buffer)
+                outcome["done"] = True
+            except KeyboardInterrupt as e:
+                outcome["interrupted"] = str(e)
+            finally:
+                sys.settrace(None)
+
+        caller = threading.Thread(target=call)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive(), f"in_pieces hangs after an interrupt at its line {k}"
+        if "done" in outcome and tracer.count < k:
+            break
+        snapshot = bytes(buffer)
+        assert _helpers_end(), f"helpers left after an interrupt at line {k}: {outcome}"
+        assert bytes(buffer) == snapshot, f"written after the call raised: {outcome}"
+        buffer[:] = bytes(len(buffer))
+    assert k > 20, "the trace reached the lines of in_pieces"
