@@ -37,8 +37,11 @@ _NOTHING_CHANGED = " Nothing was changed; the tensors stay deferred."
 
 
 def identity(path) -> tuple:
-    """What tells a file apart from another, or from itself rewritten (``path``: a path or an open file)."""
-    st = os.fstat(path.fileno()) if hasattr(path, "fileno") else os.stat(path)
+    """What tells a file apart from another, or from itself rewritten (``path``: a path, an open file or a descriptor)."""
+    if isinstance(path, int):
+        st = os.fstat(path)
+    else:
+        st = os.fstat(path.fileno()) if hasattr(path, "fileno") else os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -150,11 +153,36 @@ class Source:
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         """Read the elements ``offset + i . strides`` of ``entry`` into ``dst``; returns the bytes read."""
-        fd = open_to_read(self.path, entry)
+        fd = self.open_checked(self.path, entry)
         try:
-            return copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
+            done = copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
+            self.still(self.path, fd, entry)
+            return done
         finally:
             os.close(fd)
+
+    def open_checked(self, path: str, entry) -> int:
+        """``path`` open to read ``entry``, refused unless it is the file checked
+        (:meth:`check`): another file may have been put at the path since (an
+        ``os.replace`` of a newer save), whose bytes lie elsewhere."""
+        fd = open_to_read(path, entry)
+        try:
+            self.still(path, fd, entry)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def still(self, path: str, fd: int, entry) -> None:
+        """The open file ``fd`` is still the one checked: not replaced, nor rewritten
+        while it was read (its size or modification time changed)."""
+        expected = self.identities.get(path)
+        if expected is not None and identity(fd) != expected:
+            raise CheckpointReadError(
+                f"{path} changed while {entry.describe()} was materialized (replaced by another file or "
+                f"rewritten since load_checkpoint read it, or while it was read). Call load_checkpoint again "
+                f"with the file as it is now.{_NOTHING_CHANGED}"
+            )
 
 
 # -- safetensors --------------------------------------------------------------------

@@ -93,3 +93,83 @@ def test_an_interrupt_at_any_line_of_a_parallel_read_neither_hangs_nor_writes_af
         assert bytes(buffer) == snapshot, f"written after the call raised: {outcome}"
         buffer[:] = bytes(len(buffer))
     assert k > 20, "the trace reached the lines of in_pieces"
+
+
+# -- the file changing under the load ---------------------------------------------------
+
+
+class Pair(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(100, 110)
+        self.b = nn.Linear(110, 90)
+
+
+def _checkpoints(tmp_path):
+    torch.manual_seed(5)
+    first = {k: torch.randn(v.shape) for k, v in Pair().state_dict().items()}
+    second = {k: torch.randn(v.shape) for k, v in Pair().state_dict().items()}
+    second["extra"] = torch.zeros(1000)  # a newer save: other positions
+    path, newer = tmp_path / "model.safetensors", tmp_path / "newer.safetensors"
+    save_file(first, str(path))
+    save_file(second, str(newer), metadata={"step": "2" * 300})
+    return path, newer
+
+
+def test_a_file_replaced_after_the_replay_checked_it_is_refused_not_read(tmp_path, monkeypatch):
+    """A newer save put at the path (os.replace) once the replay checked the files
+    at its start, before it opens one to read: its bytes lie elsewhere. They
+    were read at the old positions, silently; now CheckpointReadError names the
+    file, every tensor stays deferred, and a load of the new file gives eager's values."""
+    path, newer = _checkpoints(tmp_path)
+    eager = Pair()
+    eager.load_state_dict(load_file(str(newer)), strict=False)
+    m = deferred_init(Pair)
+    load_checkpoint(m, path)
+    real_open = files.open_to_read
+    swapped = []
+
+    def swap_first(p, entry):
+        if not swapped:
+            os.replace(newer, path)
+            swapped.append(p)
+        return real_open(p, entry)
+
+    monkeypatch.setattr(files, "open_to_read", swap_first)
+    with pytest.raises(CheckpointReadError, match=f"{path} changed while"):
+        materialize_module(m)
+    assert swapped and all(is_deferred(t) for t in m.state_dict(keep_vars=True).values())
+    monkeypatch.setattr(files, "open_to_read", real_open)
+    load_checkpoint(m, path, strict=False)
+    materialize_module(m)
+    assert _same(eager, m) == []
+
+
+def test_a_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, monkeypatch):
+    """Another process rewrites the file in place (same size) after the first read:
+    the tensors read after it would hold the new bytes, those before the old."""
+    path, _ = _checkpoints(tmp_path)
+    m = deferred_init(Pair)
+    load_checkpoint(m, path)
+    real_reader = files.Source.reader
+    rewritten = []
+
+    def reader(entry, fd):
+        read = real_reader(entry, fd)
+
+        def then_rewrite(position, buffer):
+            read(position, buffer)
+            if not rewritten:
+                with open(path, "r+b") as f:
+                    f.seek(-64, os.SEEK_END)
+                    f.write(b"\x7f" * 64)
+                st = os.stat(path)
+                os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+                rewritten.append(entry.key)
+
+        return then_rewrite
+
+    monkeypatch.setattr(files.Source, "reader", staticmethod(reader))
+    with pytest.raises(CheckpointReadError, match=f"{path} changed while"):
+        materialize_module(m)
+    assert rewritten and all(is_deferred(t) for t in m.state_dict(keep_vars=True).values())
