@@ -138,7 +138,13 @@ class Source:
         def read_piece(position: int, buffer: memoryview) -> None:
             done = 0
             while done < len(buffer):
-                n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
+                try:
+                    n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
+                except OSError as e:  # an I/O error of the disk, a file system gone
+                    raise CheckpointReadError(
+                        f"cannot read {entry.describe()}: {e.strerror or e} (at byte {position + done})."
+                        f"{_NOTHING_CHANGED}"
+                    ) from None
                 if n <= 0:
                     raise CheckpointReadError(
                         f"{entry.describe()} ends at byte {position + done} of {position + len(buffer)} expected "

@@ -173,3 +173,86 @@ def test_a_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, monkeyp
     with pytest.raises(CheckpointReadError, match=f"{path} changed while"):
         materialize_module(m)
     assert rewritten and all(is_deferred(t) for t in m.state_dict(keep_vars=True).values())
+
+
+# -- a read error or an interrupt in one piece ------------------------------------------
+
+
+class Wide(nn.Module):
+    """Tensors of several pieces (one straddling them), a transposed parameter, small ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1000, 1100)
+        self.t = nn.Parameter(torch.randn(1200, 700).t())
+        self.c = nn.Linear(7, 3)
+
+
+@pytest.fixture
+def wide(tmp_path):
+    path = tmp_path / "wide.safetensors"
+    torch.manual_seed(5)
+    save_file({k: torch.randn(v.shape) for k, v in Wide().state_dict().items() if k != "c.bias"}, str(path))
+    torch.manual_seed(0)
+    eager = Wide()
+    eager.load_state_dict(load_file(str(path)), strict=False)
+    return path, eager, torch.get_rng_state()
+
+
+def _failing_preadv(monkeypatch, n, make):
+    """os.preadv raising ``make()`` at its n-th call (in whichever thread makes it)."""
+    real = os.preadv
+    calls = [0]
+    lock = threading.Lock()
+
+    def preadv(fd, buffers, position, *rest):
+        with lock:
+            calls[0] += 1
+            mine = calls[0]
+        if mine == n:
+            raise make()
+        return real(fd, buffers, position, *rest)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    return calls
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("what", ["io_error", "interrupt"])
+def test_a_failure_in_any_piece_leaves_everything_deferred_and_a_second_call_is_eager(wide, threads, what, monkeypatch):
+    """os.preadv fails at its n-th call, for every n: nothing is materialized, the
+    generator is as it was, no helper is left, and the error names the file (an
+    I/O error was a ReplayError about 'replaying load (node %14)' that did not);
+    then a second call gives eager's values and generator."""
+    path, eager, eager_rng = wide
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    make = (lambda: OSError(errno.EIO, "Input/output error")) if what == "io_error" else KeyboardInterrupt
+    try:
+        n = 0
+        while True:
+            n += 1
+            torch.manual_seed(0)
+            m = deferred_init(Wide)
+            load_checkpoint(m, path, strict=False)
+            rng = torch.get_rng_state()
+            calls = _failing_preadv(monkeypatch, n, make)
+            failed = None
+            try:
+                materialize_module(m)
+            except (CheckpointReadError, KeyboardInterrupt) as e:
+                failed = e
+            monkeypatch.undo()
+            if failed is None:
+                assert calls[0] < n and n > 3
+                break
+            if what == "io_error":
+                assert isinstance(failed, CheckpointReadError) and f"of {path}: Input/output error" in str(failed), failed
+            assert all(is_deferred(t) for t in m.state_dict(keep_vars=True).values()), n
+            assert torch.equal(torch.get_rng_state(), rng), n
+            assert _helpers_end(), n
+            materialize_module(m)
+            assert _same(eager, m) == [], n
+            assert torch.equal(torch.get_rng_state(), eager_rng), n
+    finally:
+        torch.set_num_threads(before)
