@@ -256,3 +256,139 @@ def test_a_failure_in_any_piece_leaves_everything_deferred_and_a_second_call_is_
             assert torch.equal(torch.get_rng_state(), eager_rng), n
     finally:
         torch.set_num_threads(before)
+
+
+# -- sharded: FSDP2 on 2 gloo ranks with parallel reads --------------------------------
+
+
+class Layers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(1024, 2049) for _ in range(2))  # 8 MiB weights, rows padded
+
+
+def _fsdp2_rank(rank: int, world_size: int, path: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    expected = load_file(path)
+    readers = set()
+    real = os.preadv
+
+    def spy(fd, buffers, position, *rest):
+        if sum(len(b) for b in buffers) >= parallel.PIECE_BYTES:
+            readers.add(threading.get_ident())
+        return real(fd, buffers, position, *rest)
+
+    os.preadv = spy
+    wrong = []
+    try:
+        for order in ("before", "after"):
+            torch.manual_seed(0)
+            model = deferred_init(Layers)
+            if order == "before":
+                load_checkpoint(model, path)
+            for layer in model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            if order == "after":
+                load_checkpoint(model, path)
+            materialize_module(model)
+            for name, p in model.named_parameters():
+                chunks = torch.chunk(expected[name], world_size)
+                if not torch.equal(p._local_tensor, chunks[rank]) or not torch.equal(p.full_tensor(), expected[name]):
+                    wrong.append((order, name))
+    finally:
+        os.preadv = real
+    return {"wrong": wrong, "readers": len(readers), "threads": torch.get_num_threads(), "helpers_end": _helpers_end()}
+
+
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()), reason="needs gloo"
+)
+def test_fsdp2_shards_read_in_parallel_pieces_equal_the_checkpoint_rows(tmp_path):
+    from multiproc import run_ranks
+
+    torch.manual_seed(7)
+    path = str(tmp_path / "layers.safetensors")
+    save_file(Layers().state_dict(), path)
+    for r in run_ranks(_fsdp2_rank, 2, path, timeout=240, threads=2):
+        assert r["wrong"] == [] and r["helpers_end"], r
+        assert r["threads"] == 2 and r["readers"] >= 1, r
+
+
+# -- threads -----------------------------------------------------------------------------
+
+
+class Halves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(1000, 1100), nn.Linear(1100, 900))
+        self.b = nn.Sequential(nn.Linear(900, 1300), nn.Linear(5, 5))
+
+
+@pytest.fixture
+def halves(tmp_path):
+    path = tmp_path / "halves.safetensors"
+    torch.manual_seed(5)
+    save_file({k: torch.randn(v.shape) for k, v in Halves().state_dict().items() if k != "b.1.bias"}, str(path))
+    torch.manual_seed(0)
+    eager = Halves()
+    eager.load_state_dict(load_file(str(path)), strict=False)
+    return path, eager, torch.get_rng_state()
+
+
+def test_two_threads_materializing_halves_of_one_loaded_model_at_once(halves, two_threads):
+    path, eager, eager_rng = halves
+    for _ in range(3):
+        torch.manual_seed(0)
+        m = deferred_init(Halves)
+        load_checkpoint(m, path, strict=False)
+        errors = []
+
+        def materialize(sub):
+            try:
+                materialize_module(sub)
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=materialize, args=(sub,)) for sub in (m.b, m.a)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert errors == [] and _same(eager, m) == []
+        assert torch.equal(torch.get_rng_state(), eager_rng)
+    assert _helpers_end()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.01])
+def test_a_file_truncated_while_another_thread_materializes(halves, tmp_path, delay, two_threads):
+    """Either every tensor is read before the cut (eager's values) or the replay
+    fails naming the file and every tensor stays deferred: never a mix, never
+    bytes of the cut file."""
+    path, eager, _ = halves
+    copy = tmp_path / "copy.safetensors"
+    copy.write_bytes(path.read_bytes())
+    torch.manual_seed(0)
+    m = deferred_init(Halves)
+    load_checkpoint(m, copy, strict=False)
+    outcome = {}
+
+    def materialize():
+        try:
+            materialize_module(m)
+        except BaseException as e:  # reported below
+            outcome["error"] = e
+
+    t = threading.Thread(target=materialize)
+    t.start()
+    time.sleep(delay)
+    os.truncate(copy, 5000)
+    t.join(60)
+    deferred = {is_deferred(v) for v in m.state_dict(keep_vars=True).values()}
+    if "error" in outcome:
+        assert isinstance(outcome["error"], CheckpointReadError) and str(copy) in str(outcome["error"])
+        assert deferred == {True}
+    else:
+        assert deferred == {False} and _same(eager, m) == []
+    assert _helpers_end()
