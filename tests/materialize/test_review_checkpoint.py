@@ -392,3 +392,69 @@ def test_a_file_truncated_while_another_thread_materializes(halves, tmp_path, de
     else:
         assert deferred == {False} and _same(eager, m) == []
     assert _helpers_end()
+
+
+# -- values: eager load_state_dict of load_file / torch.load, with 1, 2 and 8 threads ----------
+
+
+class Odd(nn.Module):
+    """A weight straddling the 1 MiB pieces, a zero-size parameter, a transposed
+    parameter and buffer, bool buffers, a buffer not saved, tied weights."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.a = nn.Linear(777, 1351, dtype=dtype)
+        self.z = nn.Parameter(torch.randn(0, 5))
+        self.t = nn.Parameter(torch.randn(1500, 900, dtype=dtype).t())
+        self.register_buffer("s", torch.randn(700, 800)[:, ::2])
+        self.register_buffer("mask", torch.zeros(3_000_001, dtype=torch.bool))
+        self.register_buffer("nb", torch.randn(5), persistent=False)
+        self.e = nn.Embedding(600, 512)
+        self.h = nn.Linear(512, 600, bias=False)
+        self.h.weight = self.e.weight
+
+
+def _odd_checkpoint(file_dtype):
+    torch.manual_seed(3)
+    shapes = {k: v.shape for k, v in Odd().state_dict().items()}
+    sd = {k: torch.randn(s).to(file_dtype) for k, s in shapes.items() if k != "mask"}
+    # Bytes other than 0 and 1 in a bool tensor: copy_ keeps what torch.load gives.
+    sd["mask"] = torch.randint(0, 256, shapes["mask"], dtype=torch.uint8).view(torch.bool)
+    shared = torch.randn(2 * 600 * 512).to(file_dtype)  # tied names saved as views of one storage
+    sd["e.weight"], sd["h.weight"] = shared[: 600 * 512].view(600, 512), shared[7 : 600 * 512 + 7].view(600, 512)
+    return sd
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+@pytest.mark.parametrize(
+    "fmt,file_dtype,model_dtype",
+    [("safetensors", torch.float32, torch.float32), ("torch", torch.float32, torch.float32),
+     ("safetensors", torch.bfloat16, torch.float32), ("torch", torch.float32, torch.bfloat16)],
+    ids=["st", "pt", "bf16_file", "bf16_model"],
+)
+def test_values_equal_eager_load_state_dict(tmp_path, fmt, file_dtype, model_dtype, threads):
+    sd = _odd_checkpoint(file_dtype)
+    if fmt == "safetensors":
+        path = tmp_path / "odd.safetensors"
+        save_file({k: v.contiguous().clone() for k, v in sd.items()}, str(path))  # it refuses shared memory
+        reference = load_file(str(path))
+    else:
+        path = tmp_path / "odd.pt"
+        torch.save(sd, str(path))
+        reference = torch.load(str(path), weights_only=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        eager = Odd(model_dtype)
+        eager.load_state_dict(reference)
+        torch.manual_seed(0)
+        m = deferred_init(Odd, model_dtype)
+        load_checkpoint(m, path)
+        materialize_module(m)
+        real = Odd(model_dtype)
+        load_checkpoint(real, path)
+    finally:
+        torch.set_num_threads(before)
+    assert _same(eager, m) == [] and _same(eager, real) == []
+    assert m.h.weight is m.e.weight and torch.equal(m.nb, eager.nb)
