@@ -458,3 +458,39 @@ def test_values_equal_eager_load_state_dict(tmp_path, fmt, file_dtype, model_dty
         torch.set_num_threads(before)
     assert _same(eager, m) == [] and _same(eager, real) == []
     assert m.h.weight is m.e.weight and torch.equal(m.nb, eager.nb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_big_endian_torch_save_read_in_parallel_pieces_equals_torch_load(tmp_path, dtype, two_threads):
+    """Records marked big-endian (byteorder "big", each element's bytes reversed):
+    a weight of several pieces and a transposed destination, as torch.load gives them."""
+    import zipfile
+
+    class Big(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(1000, 1100, dtype=dtype)
+            self.t = nn.Parameter(torch.randn(1200, 700, dtype=dtype).t())
+
+    torch.manual_seed(2)
+    little, big = tmp_path / "little.pt", tmp_path / "big.pt"
+    torch.save({k: torch.randn(v.shape, dtype=dtype) for k, v in Big().state_dict().items()}, str(little))
+    unit = dtype.itemsize
+    with zipfile.ZipFile(little) as zin, zipfile.ZipFile(big, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if "/data/" in info.filename:
+                data = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, unit).flip(1).contiguous().numpy().tobytes()
+            elif info.filename.endswith("/byteorder"):
+                data = b"big"
+            zout.writestr(info.filename, data)
+    reference = torch.load(str(big), weights_only=True)
+    assert all(torch.equal(reference[k], v) for k, v in torch.load(str(little), weights_only=True).items())
+    torch.manual_seed(0)
+    eager = Big()
+    eager.load_state_dict(reference)
+    torch.manual_seed(0)
+    m = deferred_init(Big)
+    load_checkpoint(m, big)
+    materialize_module(m)
+    assert _same(eager, m) == []
