@@ -522,3 +522,21 @@ def test_a_symlink_pointed_at_another_save_with_the_same_layout_is_not_read_sile
     except CheckpointReadError:
         return  # refused: fine
     assert _same(eager, m) == [], "read step 2's values where eager holds step 1's"
+
+
+def test_a_helper_that_cannot_be_started_is_done_without(wide, monkeypatch, two_threads):
+    """Thread.start raising "can't start new thread" (a process at its thread limit):
+    the caller reads every piece itself. It was a ReplayError (and helpers
+    already started were left reading)."""
+    path, eager, _ = wide
+    torch.manual_seed(0)
+    m = deferred_init(Wide)
+    load_checkpoint(m, path, strict=False)
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    materialize_module(m)
+    monkeypatch.undo()
+    assert _same(eager, m) == []
