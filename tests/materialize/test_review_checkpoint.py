@@ -67,6 +67,7 @@ def test_an_interrupt_at_any_line_of_a_parallel_read_neither_hangs_nor_writes_af
         piece[:] = b"\1" * len(piece)
 
     k = 0
+    late = []  # the interrupts after which a helper wrote
     while True:
         k += 1
         tracer = _AtLine(k, lambda code: code.co_filename == PARALLEL)
@@ -82,16 +83,17 @@ def test_an_interrupt_at_any_line_of_a_parallel_read_neither_hangs_nor_writes_af
             finally:
                 sys.settrace(None)
 
-        caller = threading.Thread(target=call)
+        caller = threading.Thread(target=call, daemon=True)  # a hung one must not hold the process
         caller.start()
-        caller.join(10)
-        assert not caller.is_alive(), f"in_pieces hangs after an interrupt at its line {k}"
+        caller.join(5)
+        assert not caller.is_alive(), f"in_pieces hangs after an interrupt at its line {k} ({late} before)"
         if "done" in outcome and tracer.count < k:
             break
         snapshot = bytes(buffer)
-        assert _helpers_end(), f"helpers left after an interrupt at line {k}: {outcome}"
-        assert bytes(buffer) == snapshot, f"written after the call raised: {outcome}"
+        if not _helpers_end() or bytes(buffer) != snapshot:
+            late.append(outcome.get("interrupted"))
         buffer[:] = bytes(len(buffer))
+    assert late == [], "helpers wrote into the buffer after the call raised"
     assert k > 20, "the trace reached the lines of in_pieces"
 
 
