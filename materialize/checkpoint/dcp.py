@@ -246,8 +246,8 @@ class DcpCheckpoint(Source):
         done = 0
         for name, items in work.items():
             full = os.path.join(self.path, name)
-            fd = self.open_checked(full, entry)
-            try:
+            with self.open_checked(full, entry) as f:
+                fd = f.fileno()
                 for chunk, lay, (at, extent) in items:
                     view = dst
                     for d, (i, n) in enumerate(zip(at, extent)):
@@ -257,8 +257,6 @@ class DcpCheckpoint(Source):
                     base = lay.start + lay.record.position if lay.record.position is not None else 0
                     done += copy_strided(read, base, lay.dtype, first, extent, lay.strides, view, via)
                 self.still(full, fd, entry)
-            finally:
-                os.close(fd)
         return done
 
 

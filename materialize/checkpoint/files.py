@@ -159,25 +159,23 @@ class Source:
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         """Read the elements ``offset + i . strides`` of ``entry`` into ``dst``; returns the bytes read."""
-        fd = self.open_checked(self.path, entry)
-        try:
+        with self.open_checked(self.path, entry) as f:
+            fd = f.fileno()
             done = copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
             self.still(self.path, fd, entry)
             return done
-        finally:
-            os.close(fd)
 
-    def open_checked(self, path: str, entry) -> int:
+    def open_checked(self, path: str, entry) -> io.FileIO:
         """``path`` open to read ``entry``, refused unless it is the file checked
         (:meth:`check`): another file may have been put at the path since (an
         ``os.replace`` of a newer save), whose bytes lie elsewhere."""
-        fd = open_to_read(path, entry)
+        f = open_to_read(path, entry)
         try:
-            self.still(path, fd, entry)
-        except BaseException:
-            os.close(fd)
+            self.still(path, f.fileno(), entry)
+        except CheckpointReadError:
+            f.close()
             raise
-        return fd
+        return f
 
     def still(self, path: str, fd: int, entry) -> None:
         """The open file ``fd`` is still the one checked: not replaced, nor rewritten
@@ -347,20 +345,23 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def open_to_read(path: str, entry) -> int:
-    """A descriptor of ``path`` (still a regular file) for reading ``entry``'s bytes
-    by position; :class:`CheckpointReadError` if it cannot be read now."""
+def open_to_read(path: str, entry) -> io.FileIO:
+    """``path`` (still a regular file) open for reading ``entry``'s bytes by position
+    (``fileno()``); :class:`CheckpointReadError` if it cannot be read now.  A file
+    object, not a bare descriptor: one an interrupt leaves behind is closed when
+    it is dropped."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+        # Opened inside FileIO's constructor, so no line runs between the open and the owner.
+        f = io.FileIO(path, "r", opener=lambda p, _: os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
             raise OSError(0, "it is no longer a regular file")
     except OSError as e:
         raise CheckpointReadError(f"cannot read {entry.describe()}: {e.strerror or e}.{_NOTHING_CHANGED}") from None
     if hasattr(os, "posix_fadvise"):
         # Exactly the bytes asked for: no readahead into a shard another rank reads.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+    return f
 
 
 def open_regular(path: str, error=CheckpointError):

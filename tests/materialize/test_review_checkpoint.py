@@ -542,3 +542,45 @@ def test_a_helper_that_cannot_be_started_is_done_without(wide, monkeypatch, two_
     materialize_module(m)
     monkeypatch.undo()
     assert _same(eager, m) == []
+
+
+READ_PATH = {os.path.abspath(m.__file__) for m in (files, parallel)} | {
+    os.path.join(os.path.dirname(PARALLEL), "copying.py")
+}
+STEP = 3  # every third line the read path runs (about 130 materializations)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc/self/fd")
+def test_an_interrupt_at_the_lines_of_the_read_path_leaves_all_deferred_and_no_file_open(wide, two_threads):
+    """A KeyboardInterrupt at every STEP-th line of files.py, copying.py and
+    parallel.py while materializing: every tensor stays deferred (or, past the
+    commit, all are real), no descriptor is left open (it was, when the
+    interrupt fell between os.open and the try that closes it), and a second
+    call gives eager's values."""
+    path, eager, _ = wide
+    k = 1
+    while True:
+        torch.manual_seed(0)
+        m = deferred_init(Wide)
+        load_checkpoint(m, path, strict=False)
+        fds = len(os.listdir("/proc/self/fd"))
+        tracer = _AtLine(k, lambda code: code.co_filename in READ_PATH)
+        sys.settrace(tracer)
+        try:
+            materialize_module(m)
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        finally:
+            sys.settrace(None)
+        if finished and tracer.count < k:
+            break
+        assert _helpers_end()
+        states = {is_deferred(t) for t in m.state_dict(keep_vars=True).values()}
+        assert len(states) == 1, (k, states)
+        assert len(os.listdir("/proc/self/fd")) == fds, f"a descriptor left open by an interrupt at line {k}"
+        if states == {True}:
+            materialize_module(m)
+        assert _same(eager, m) == [], k
+        k += STEP
+    assert k > 100
