@@ -52,7 +52,7 @@ from .copying import copy_strided
 from .dcp_metadata import METADATA, read_metadata, tensors
 from .entries import Entry, contiguous_strides
 from .errors import CheckpointReadError
-from .files import _NOTHING_CHANGED, Source, Window, identity, open_regular, open_to_read, record_reader
+from .files import _NOTHING_CHANGED, Source, Window, identity, open_regular, record_reader
 
 
 def is_dcp_directory(path: str) -> bool:
@@ -245,8 +245,9 @@ class DcpCheckpoint(Source):
             work.setdefault(chunk.file, []).append((chunk, lay, intersect(start, sizes, chunk.offsets, chunk.sizes)))
         done = 0
         for name, items in work.items():
-            fd = open_to_read(os.path.join(self.path, name), entry)
-            try:
+            full = os.path.join(self.path, name)
+            with self.open_checked(full, entry) as f:
+                fd = f.fileno()
                 for chunk, lay, (at, extent) in items:
                     view = dst
                     for d, (i, n) in enumerate(zip(at, extent)):
@@ -255,8 +256,7 @@ class DcpCheckpoint(Source):
                     read = record_reader(lay.record, entry, fd, lay.start, lay.length)
                     base = lay.start + lay.record.position if lay.record.position is not None else 0
                     done += copy_strided(read, base, lay.dtype, first, extent, lay.strides, view, via)
-            finally:
-                os.close(fd)
+                self.still(full, fd, entry)
         return done
 
 

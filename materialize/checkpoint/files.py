@@ -37,8 +37,11 @@ _NOTHING_CHANGED = " Nothing was changed; the tensors stay deferred."
 
 
 def identity(path) -> tuple:
-    """What tells a file apart from another, or from itself rewritten (``path``: a path or an open file)."""
-    st = os.fstat(path.fileno()) if hasattr(path, "fileno") else os.stat(path)
+    """What tells a file apart from another, or from itself rewritten (``path``: a path, an open file or a descriptor)."""
+    if isinstance(path, int):
+        st = os.fstat(path)
+    else:
+        st = os.fstat(path.fileno()) if hasattr(path, "fileno") else os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
@@ -135,7 +138,13 @@ class Source:
         def read_piece(position: int, buffer: memoryview) -> None:
             done = 0
             while done < len(buffer):
-                n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
+                try:
+                    n = os.preadv(fd, [buffer[done : done + (1 << 30)]], position + done)
+                except OSError as e:  # an I/O error of the disk, a file system gone
+                    raise CheckpointReadError(
+                        f"cannot read {entry.describe()}: {e.strerror or e} (at byte {position + done})."
+                        f"{_NOTHING_CHANGED}"
+                    ) from None
                 if n <= 0:
                     raise CheckpointReadError(
                         f"{entry.describe()} ends at byte {position + done} of {position + len(buffer)} expected "
@@ -150,11 +159,34 @@ class Source:
 
     def copy(self, entry, offset, sizes, strides, dst, via=None) -> int:
         """Read the elements ``offset + i . strides`` of ``entry`` into ``dst``; returns the bytes read."""
-        fd = open_to_read(self.path, entry)
+        with self.open_checked(self.path, entry) as f:
+            fd = f.fileno()
+            done = copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
+            self.still(self.path, fd, entry)
+            return done
+
+    def open_checked(self, path: str, entry) -> io.FileIO:
+        """``path`` open to read ``entry``, refused unless it is the file checked
+        (:meth:`check`): another file may have been put at the path since (an
+        ``os.replace`` of a newer save), whose bytes lie elsewhere."""
+        f = open_to_read(path, entry)
         try:
-            return copy_strided(self.reader(entry, fd), entry.base, entry.dtype, offset, sizes, strides, dst, via)
-        finally:
-            os.close(fd)
+            self.still(path, f.fileno(), entry)
+        except CheckpointReadError:
+            f.close()
+            raise
+        return f
+
+    def still(self, path: str, fd: int, entry) -> None:
+        """The open file ``fd`` is still the one checked: not replaced, nor rewritten
+        while it was read (its size or modification time changed)."""
+        expected = self.identities.get(path)
+        if expected is not None and identity(fd) != expected:
+            raise CheckpointReadError(
+                f"{path} changed while {entry.describe()} was materialized (replaced by another file or "
+                f"rewritten since load_checkpoint read it, or while it was read). Call load_checkpoint again "
+                f"with the file as it is now.{_NOTHING_CHANGED}"
+            )
 
 
 # -- safetensors --------------------------------------------------------------------
@@ -313,20 +345,23 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCH
           (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 
-def open_to_read(path: str, entry) -> int:
-    """A descriptor of ``path`` (still a regular file) for reading ``entry``'s bytes
-    by position; :class:`CheckpointReadError` if it cannot be read now."""
+def open_to_read(path: str, entry) -> io.FileIO:
+    """``path`` (still a regular file) open for reading ``entry``'s bytes by position
+    (``fileno()``); :class:`CheckpointReadError` if it cannot be read now.  A file
+    object, not a bare descriptor: one an interrupt leaves behind is closed when
+    it is dropped."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
+        # Opened inside FileIO's constructor, so no line runs between the open and the owner.
+        f = io.FileIO(path, "r", opener=lambda p, _: os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            f.close()
             raise OSError(0, "it is no longer a regular file")
     except OSError as e:
         raise CheckpointReadError(f"cannot read {entry.describe()}: {e.strerror or e}.{_NOTHING_CHANGED}") from None
     if hasattr(os, "posix_fadvise"):
         # Exactly the bytes asked for: no readahead into a shard another rank reads.
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+    return f
 
 
 def open_regular(path: str, error=CheckpointError):
