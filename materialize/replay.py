@@ -212,7 +212,7 @@ class Replay:
                             steps.append((node, keys, run, batch))
                         continue
             elif mode == ALLOC:
-                if open_batch:
+                if open_batch and id(node) not in liveness.filled:
                     last[3].append((node, liveness.alloc[id(node)]))
                     continue
                 xs = ()
@@ -323,8 +323,14 @@ class Replay:
     # -- nodes run otherwise than recorded (see deferinit/ir/liveness.py) ------------
 
     def alloc(self, node: Node, wanted) -> None:
-        """Outputs whose contents later writes overwrite: allocated, not computed."""
-        _allocate(self.env, node, self.plan.liveness.alloc[id(node)], wanted, self.device_map)
+        """Outputs whose contents later writes overwrite: allocated, not computed
+        (a constant factory's: filled where they are read)."""
+        liveness = self.plan.liveness
+        _allocate(self.env, node, liveness.alloc[id(node)], wanted, self.device_map)
+        part = liveness.filled.get(id(node))
+        if part is not None and 0 in wanted:
+            lo, hi, number = part
+            self.env[(node, 0)].view(-1)[lo:hi].fill_(number)
 
     def direct(self, node: Node) -> None:
         """A ``copy_`` from a checkpoint tensor: read straight into its destination."""

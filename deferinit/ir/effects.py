@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from deferinit.fake.flat import unflatten
 from deferinit.fake.opinfo import op_info
 
 from .boxes import as_box
@@ -50,6 +51,39 @@ GEOMETRY_ONLY = frozenset({
 # Operators whose output element i is computed from input element i alone,
 # into fresh memory: a part of the output needs only that part of the input.
 ELEMENTWISE_COPIES = frozenset({aten.clone.default, aten._to_copy.default})
+
+# Factories whose every element is one number: that number, or the position
+# of the argument that holds it.
+_CONSTANT = {
+    aten.zeros.default: 0, aten.new_zeros.default: 0, aten.zeros_like.default: 0,
+    aten.ones.default: 1, aten.new_ones.default: 1, aten.ones_like.default: 1,
+}
+_CONSTANT_ARG = {aten.full.default: 1, aten.new_full.default: 2, aten.full_like.default: 1}
+
+
+def constant_fill(node):
+    """The number every element of ``node``'s output holds when ``node`` is a
+    factory of one constant (``zeros``, ``new_zeros``, ``ones_like``,
+    ``full``...), else None: its output can be allocated and filled only where
+    its bytes are read (FSDP2's padded shards: the padding).
+
+    Example::
+
+        >>> ps = deferred_init(lambda: torch.nn.ParameterList([torch.nn.Parameter(torch.full((2,), 3.0))]))
+        >>> constant_fill(ps[0]._value.node)
+        3.0
+    """
+    if node.kind != "op" or node.writes or node.reshapes:
+        return None
+    found = _CONSTANT.get(node.target)
+    if found is not None:
+        return found
+    at = _CONSTANT_ARG.get(node.target)
+    if at is None:
+        return None
+    args, _ = unflatten(list(node.flat), node.spec)
+    value = args[at] if len(args) > at else None
+    return value if type(value) in (int, float, bool) else None
 
 
 def overwrites(node) -> bool:

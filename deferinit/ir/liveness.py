@@ -14,6 +14,10 @@ requested) at that point of the record:
 * a node that creates a tensor whose *object* is needed (to be written
   into, viewed or read) but whose contents are all hidden is replayed as an
   **allocation** of the same geometry (no kernel, no random draw);
+* a factory of one constant (``zeros``, ``full``, ``new_zeros``) whose
+  bytes later writes mostly cover is allocated and filled only between the
+  first and the last byte still demanded (FSDP2's padded shards: the
+  padding), as a random fill draws only a shard's rows;
 * a view only needs its base's object, ``empty_like``-like factories only
   their input's geometry: neither demands contents;
 * a ``copy_`` from a tensor whose bytes come straight from a checkpoint
@@ -60,8 +64,8 @@ import weakref
 import torch
 
 from .effects import (
-    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, copied_parts, direct_copy, direct_parts, drawn_part, is_load,
-    load_parts, overwrites, root_value,
+    ELEMENTWISE_COPIES, GEOMETRY_ONLY, allocatable, constant_fill, copied_parts, direct_copy, direct_parts, drawn_part,
+    is_load, load_parts, overwrites, root_value,
 )
 from deferinit.fake.opinfo import op_info
 
@@ -116,6 +120,18 @@ def _whole(inp, real_read) -> bool:
     """A target whose whole history is one factory call (a randn, a constant):
     nothing writes its storage, so that call is live, run as recorded."""
     return inp.version is None and 0 not in inp.value.size and _factory(inp.value.node) and not real_read(inp)
+
+
+def _constant_part(node, value, demands):
+    """``(lo, hi, number)``: the elements of a constant factory's contiguous
+    output that later reads meet (see :func:`~deferinit.ir.effects.drawn_part`),
+    when that is not all of them; else None."""
+    number = constant_fill(node)
+    if number is None:
+        return None
+    region, _, found = demands
+    part = drawn_part(value, region, found) if region is not None else None
+    return None if part is None else (*part, number)
 
 
 def all_whole(targets, universe: dict, extra, real_read) -> bool:
@@ -298,6 +314,7 @@ class Liveness:
         scratches: dict = {}
         loads: dict = {}
         directs: dict = {}
+        filled: dict = {}  # id(node) -> (lo, hi, value): ALLOC'd, elements [lo, hi) filled with value
         parts: dict = {}
         live: dict = {}
         objects: dict = {}  # id(node) -> {index: value}: tensors whose object is needed
@@ -414,6 +431,11 @@ class Liveness:
                 if outs:
                     if any(demanded(value, seq)[2] for value in outs.values()):
                         live[nid] = node
+                        part = _constant_part(node, outs[0], demanded(outs[0], seq)) if list(outs) == [0] else None
+                        if part is not None and nid not in gen and allocatable(node, outs):
+                            modes[nid] = ALLOC
+                            allocs[nid] = dict(outs)
+                            filled[nid] = part
                     elif nid not in gen and allocatable(node, outs):
                         live[nid] = node
                         modes[nid] = ALLOC
@@ -455,6 +477,13 @@ class Liveness:
                 mode = GENERATOR
             elif outs and not content and nid not in gen and allocatable(node, outs):
                 mode = ALLOC
+            elif outs and content and nid not in gen and nid not in forced and list(outs) == [0]:
+                # A factory of one constant whose bytes later writes mostly
+                # cover: allocated, and filled where they are read only.
+                part = _constant_part(node, outs[0], demanded(outs[0], seq))
+                if part is not None and allocatable(node, outs):
+                    mode = ALLOC
+                    filled[nid] = part
             elif loads_hide and copy and node.writes == (0,):
                 found = direct_copy(node, self._real_read)
                 if found is not None:
@@ -520,7 +549,7 @@ class Liveness:
 
         return {
             "live": live, "modes": modes, "alloc": allocs, "scratch": scratches, "loads": loads,
-            "direct": directs, "parts": parts, "order": sorted(live.values(), key=lambda n: n.seq),
+            "direct": directs, "parts": parts, "filled": filled, "order": sorted(live.values(), key=lambda n: n.seq),
         }
 
     # -- random draws needed only for the generator -----------------------------

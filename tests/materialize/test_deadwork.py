@@ -334,3 +334,55 @@ def test_a_loaded_parameters_plan_does_not_walk_the_draws_before_it():
     assert not any(n.rng is not None for n in plan.order)
     materialize_module(m)
     assert all(torch.equal(t, torch.full_like(t, 0.5)) for t in m.state_dict().values())
+
+
+_CONSTANTS = {
+    "zeros": lambda src: torch.zeros(N, N),
+    "new_zeros": lambda src: src.new_zeros(N, N),  # FSDP2's padded shard
+    "ones_like": lambda src: torch.ones_like(torch.empty(N, N)),
+    "full": lambda src: torch.full((N, N), 2.5),
+    "new_full": lambda src: src.new_full((N, N), -1.0),
+    "full int64": lambda src: torch.full((N, N), 7, dtype=torch.int64),
+}
+
+
+@pytest.mark.parametrize("make", list(_CONSTANTS))
+def test_a_constant_factory_mostly_overwritten_is_filled_only_where_read(make):
+    # FSDP2 pads a shard with new_zeros, then copies the shard's rows in:
+    # eagerly the whole padded tensor is zeroed; only the padding is read.
+    def build():
+        def body(self):
+            src = torch.randn(N - 1, N)
+            t = _CONSTANTS[make](src)
+            with torch.no_grad():
+                t.narrow(0, 0, N - 1).copy_(src.to(t.dtype))
+            self.register_buffer("a", t)
+
+        return Holder(body)
+
+    eager, eager_after, _ = eager_and_kernels(build)
+    torch.manual_seed(0)
+    m = deferred_init(build)
+    check_jump_models()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        materialize_module(m)
+    assert_same_tensors(eager, m)
+    assert torch.equal(torch.rand(8), eager_after)
+    filled = [e.input_shapes[0] for e in prof.events() if e.name in ("aten::fill_", "aten::zero_")]
+    assert filled == [[N]], filled  # the last row only, not N * N elements
+
+
+def test_a_constant_factory_read_at_both_ends_is_filled_between_them():
+    def build():
+        def body(self):
+            t = torch.zeros(N, N)
+            with torch.no_grad():
+                t[1:-1].copy_(torch.randn(N - 2, N))
+            self.register_buffer("a", t)
+
+        return Holder(body)
+
+    eager, eager_after, _ = eager_and_kernels(build)
+    m, after, ran = deferred_and_kernels(build)
+    assert_same_tensors(eager, m)
+    assert torch.equal(after, eager_after)
