@@ -52,6 +52,15 @@ def _restores_global_state():
     assert _global_state() == before, "a test left modes, patches, default dtype or grad mode changed"
 
 
+@pytest.fixture
+def two_threads():
+    """torch's intra-op threads set to 2 (checkpoint reads split over them), put back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 # Files whose tests mostly spawn processes (gloo ranks, the command line, the
 # docs' shell transcripts): about half the suite's time. CI runs the whole
 # suite on the default torch and, on a second build (a CUDA build without a

@@ -21,14 +21,6 @@ from deferinit.materialize import load_checkpoint, materialize_module
 from deferinit.materialize.checkpoint import parallel
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def build():
     return nn.Sequential(nn.Linear(1024, 4096), nn.Linear(4096, 16))  # a 16 MiB weight (four pieces)
 

@@ -24,14 +24,6 @@ from test_interrupts import _AtLine  # its trace function, given the functions w
 PARALLEL = os.path.abspath(parallel.__file__)
 
 
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def _helpers_end(timeout=5.0) -> bool:
     deadline = time.monotonic() + timeout
     while any(t.name == "deferinit-pread" for t in threading.enumerate()) and time.monotonic() < deadline:
