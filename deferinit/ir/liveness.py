@@ -122,15 +122,18 @@ def _whole(inp, real_read) -> bool:
     return inp.version is None and 0 not in inp.value.size and _factory(inp.value.node) and not real_read(inp)
 
 
-def _constant_part(node, value, demands):
+def _constant_part(node, outs, seq, demanded):
     """``(lo, hi, number)``: the elements of a constant factory's contiguous
     output that later reads meet (see :func:`~deferinit.ir.effects.drawn_part`),
-    when that is not all of them; else None."""
+    when that is not all of them; else None (also for any other node, asked
+    first: the scan asks it of every live factory)."""
+    if len(outs) != 1 or 0 not in outs:
+        return None
     number = constant_fill(node)
     if number is None:
         return None
-    region, _, found = demands
-    part = drawn_part(value, region, found) if region is not None else None
+    region, _, found = demanded(outs[0], seq)
+    part = drawn_part(outs[0], region, found) if region is not None else None
     return None if part is None else (*part, number)
 
 
@@ -431,7 +434,7 @@ class Liveness:
                 if outs:
                     if any(demanded(value, seq)[2] for value in outs.values()):
                         live[nid] = node
-                        part = _constant_part(node, outs[0], demanded(outs[0], seq)) if list(outs) == [0] else None
+                        part = _constant_part(node, outs, seq, demanded)
                         if part is not None and nid not in gen and allocatable(node, outs):
                             modes[nid] = ALLOC
                             allocs[nid] = dict(outs)
@@ -477,10 +480,10 @@ class Liveness:
                 mode = GENERATOR
             elif outs and not content and nid not in gen and allocatable(node, outs):
                 mode = ALLOC
-            elif outs and content and nid not in gen and nid not in forced and list(outs) == [0]:
+            elif outs and content and nid not in gen and nid not in forced and not node.writes:
                 # A factory of one constant whose bytes later writes mostly
                 # cover: allocated, and filled where they are read only.
-                part = _constant_part(node, outs[0], demanded(outs[0], seq))
+                part = _constant_part(node, outs, seq, demanded)
                 if part is not None and allocatable(node, outs):
                     mode = ALLOC
                     filled[nid] = part
