@@ -182,15 +182,20 @@ class Wide(nn.Module):
         self.c = nn.Linear(7, 3)
 
 
-@pytest.fixture
-def wide(tmp_path):
-    path = tmp_path / "wide.safetensors"
+def _saved_and_eager(path, cls, left_out):
+    """A safetensors file of random values for ``cls``'s state but ``left_out``,
+    and eager ``cls()`` (seed 0) with it loaded; the generator state after."""
     torch.manual_seed(5)
-    save_file({k: torch.randn(v.shape) for k, v in Wide().state_dict().items() if k != "c.bias"}, str(path))
+    save_file({k: torch.randn(v.shape) for k, v in cls().state_dict().items() if k != left_out}, str(path))
     torch.manual_seed(0)
-    eager = Wide()
+    eager = cls()
     eager.load_state_dict(load_file(str(path)), strict=False)
     return path, eager, torch.get_rng_state()
+
+
+@pytest.fixture
+def wide(tmp_path):
+    return _saved_and_eager(tmp_path / "wide.safetensors", Wide, "c.bias")
 
 
 def _failing_preadv(monkeypatch, n, make):
@@ -322,13 +327,7 @@ class Halves(nn.Module):
 
 @pytest.fixture
 def halves(tmp_path):
-    path = tmp_path / "halves.safetensors"
-    torch.manual_seed(5)
-    save_file({k: torch.randn(v.shape) for k, v in Halves().state_dict().items() if k != "b.1.bias"}, str(path))
-    torch.manual_seed(0)
-    eager = Halves()
-    eager.load_state_dict(load_file(str(path)), strict=False)
-    return path, eager, torch.get_rng_state()
+    return _saved_and_eager(tmp_path / "halves.safetensors", Halves, "b.1.bias")
 
 
 def test_two_threads_materializing_halves_of_one_loaded_model_at_once(halves, two_threads):
