@@ -19,7 +19,7 @@ class Spec:
     call (:func:`flatten` hands out the same one again): a record of many
     alike calls holds it once, and its rebuild is worked out once."""
 
-    __slots__ = ("arg_shapes", "kw_keys", "kw_shapes", "plain")
+    __slots__ = ("arg_shapes", "kw_keys", "kw_shapes", "plain", "rebuild")
 
     def __init__(self, arg_shapes, kw_keys, kw_shapes):
         self.arg_shapes = arg_shapes
@@ -28,6 +28,34 @@ class Spec:
         # No list or tuple among the arguments: the number of positional ones.
         flat = all(s is None for s in arg_shapes) and all(s is None for s in kw_shapes)
         self.plain = len(arg_shapes) if flat else None
+        self.rebuild = _rebuild_of(self)
+
+
+def _rebuild_of(spec):
+    """A function ``flat -> (args, kwargs)`` written out for ``spec`` (as
+    ``torch.fx`` writes its code): a replay rebuilds the arguments of every
+    node, and a loop over the shapes costs more than the call of a small
+    factory.  None for long calls (tensor lists), rebuilt by the loop."""
+    i = 0
+
+    def part(shape):
+        nonlocal i
+        if shape is None:
+            i += 1
+            return f"f[{i - 1}]"
+        t, n = shape
+        items = ", ".join(f"f[{j}]" for j in range(i, i + n))
+        i += n
+        return f"[{items}]" if t is list else f"({items}{',' if n == 1 else ''})"
+
+    args = [part(shape) for shape in spec.arg_shapes]
+    kwargs = [f"{key!r}: {part(shape)}" for key, shape in zip(spec.kw_keys, spec.kw_shapes)]
+    if i > 64 or not all(type(k) is str for k in spec.kw_keys):
+        return None
+    code = f"def rebuild(f):\n    return ({''.join(a + ', ' for a in args)}), {{{', '.join(kwargs)}}}\n"
+    scope: dict = {}
+    exec(code, scope)  # noqa: S102 - code built above from ints and the kwargs' names only
+    return scope["rebuild"]
 
 
 _SPECS: dict = {}
@@ -73,6 +101,8 @@ def unflatten(flat, spec):
     """Rebuild ``(args, kwargs)``."""
     if type(spec) is not Spec:
         return tree_unflatten(flat, spec)
+    if spec.rebuild is not None:
+        return spec.rebuild(flat)
     n = spec.plain
     if n is not None:
         return tuple(flat[:n]), dict(zip(spec.kw_keys, flat[n:]))
