@@ -226,8 +226,11 @@ def _module_targets(module, buffers_only, check_fn):
                 if id(w) not in seen_wrappers:
                     seen_wrappers.add(id(w))
                     wrappers.append(w)
-    own = {id(f._storage) for _, f in targets if id(f) not in beyond}
-    counted = [f for _, f in targets if id(f) not in beyond or id(f._storage) not in own]
+    if beyond:
+        own = {id(f._storage) for _, f in targets if id(f) not in beyond}
+        counted = [f for _, f in targets if id(f) not in beyond or id(f._storage) not in own]
+    else:
+        counted = [f for _, f in targets]
     return targets, left, counted, wrappers, wrapped
 
 

@@ -137,10 +137,11 @@ def _constant_part(node, outs, seq, demanded):
     return None if part is None else (*part, number)
 
 
-def all_whole(targets, universe: dict, extra, real_read) -> bool:
-    """Whether ``universe`` is the factory calls of ``targets``, one each (see
-    :func:`_whole`), and nothing else: every node live, run as recorded, no
-    scan needed (a model of random parameters materialized whole).
+def whole_factories(targets, real_read) -> dict | None:
+    """``id(node) -> node`` of the factory calls of ``targets``, one each (see
+    :func:`_whole`), or None if a target is not such a call: then that is
+    their closure, every node live, run as recorded, and no scan is needed
+    unless earlier draws join it (a model of random parameters made whole).
 
     Example::
 
@@ -149,15 +150,13 @@ def all_whole(targets, universe: dict, extra, real_read) -> bool:
         >>> Plan([read_of(ps[0])]).liveness is None       # all whole: planned without the scan
         True
     """
-    if extra or len(universe) != len(targets):
-        return False
-    seen = set()
+    found: dict = {}
     for inp in targets:
-        nid = id(inp.value.node)
-        if nid in seen or nid not in universe or not _whole(inp, real_read):
-            return False
-        seen.add(nid)
-    return True
+        node = inp.value.node
+        if id(node) in found or not _whole(inp, real_read):
+            return None
+        found[id(node)] = node
+    return found
 
 
 # Off only to compare the lane with the general scan (tests/deferinit/test_liveness_lanes.py).

@@ -39,7 +39,7 @@ from deferinit.fake.device import normalize
 from ..errors import ReplayError
 from .graph import FreshRead, Input, Node, version_seq
 from .effects import is_load
-from .liveness import RUN, Liveness, all_whole
+from .liveness import RUN, Liveness, whole_factories
 from ..random.streams import ReplayStream, Stream, replay_streams
 
 
@@ -130,12 +130,17 @@ class Plan:
         # record as written (the graph views show it so).
         self.eliminate = eliminate
         self.liveness: Liveness | None = None
+        # Every node is one target's own factory call, each target's whole
+        # value (see liveness.whole_factories): final once its node ran.
+        self.whole = False
         self._plan()
 
     def _plan(self) -> None:
-        needed = closure(self.targets, self.extra)
+        # Targets that are each their own factory call are their own closure.
+        whole = whole_factories(self.targets, real_read) if self.eliminate and not self.extra else None
+        needed = closure(self.targets, self.extra) if whole is None else dict(whole)
         seen: dict[int, Stream] = {}
-        if self.eliminate and any(is_load(n) for n in needed.values()):
+        if whole is None and self.eliminate and any(is_load(n) for n in needed.values()):
             # A load hides the draws it overwrites: their generator states are
             # not needed, so grow the universe by the draws before the live
             # draws only (not before every draw: one load per parameter would
@@ -158,14 +163,18 @@ class Plan:
         while True:
             self._streams_of(needed, seen)
             before = len(needed)
-            found = draws_before(needed.values(), self.streams)
+            # While only the targets' factory calls are planned, only what
+            # draws_before adds matters (see draws_outside).
+            lean = whole is not None and before == len(whole)
+            found = (draws_outside if lean else draws_before)(needed.values(), self.streams)
             closure((), found, needed)
             if len(needed) == before:
                 break
         self._mark_planned(needed)
 
-        if not self.eliminate or all_whole(self.targets, needed, self.extra, real_read):
+        if not self.eliminate or whole is not None and len(needed) == len(whole):
             # (All whole: every node is a target's one factory call, live as recorded.)
+            self.whole = whole is not None
             self.order = sorted(needed.values(), key=lambda n: n.seq)
             return
         # -- dead-work elimination: of everything the reads could need, what
@@ -213,16 +222,37 @@ class Plan:
 def draws_before(nodes, streams: dict) -> list:
     """The draws to replay so that the state before each random node of ``nodes``
     is known (see :meth:`ReplayStream.needs_all`), each once."""
+    found = []
+    for rs, ks in _positions(nodes, streams):
+        found.extend(rs.needs_all(ks))
+    return found
+
+
+def draws_outside(nodes, streams: dict) -> list:
+    """The draws of :func:`draws_before` that are not among ``nodes`` (and maybe
+    some that are), found without walking back from each draw where a
+    stream's draws among ``nodes`` are one run with no event inside (a
+    model's parameters, drawn in order): there a walk leaves the run only
+    through its first draw (no state put back inside jumps over it)."""
+    found = []
+    for rs, ks in _positions(nodes, streams):
+        ks.sort()
+        lo, hi = ks[0], ks[-1]
+        if hi - lo + 1 == len(ks) and not any(lo < k <= hi for k in rs.events):
+            ks = [lo]
+        found.extend(rs.needs_all(ks))
+    return found
+
+
+def _positions(nodes, streams: dict):
+    """``(replay stream, [positions])`` of the random nodes of ``nodes``, by stream."""
     by_stream: dict = {}
     for node in nodes:
         if node.rng is not None:
             rs = streams.get(id(node.rng[0]()))
             if rs is not None:
                 by_stream.setdefault(id(rs), (rs, []))[1].append(rs.index[id(node)])
-    found = []
-    for rs, ks in by_stream.values():
-        found.extend(rs.needs_all(ks))
-    return found
+    return by_stream.values()
 
 
 def read_of(fake) -> Input:
