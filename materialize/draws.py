@@ -94,7 +94,7 @@ class Draws:
     def _passed(self, rs, index) -> None:
         """The cursor of ``rs`` stands after draw ``index``, paid or not."""
         self._cursors[id(rs)][1] = index
-        if (id(rs), index) in self._looked_up:
+        if self._looked_up and (id(rs), index) in self._looked_up:
             self._learn(rs)
 
     def call(self, node, args, kwargs, part=None):
@@ -139,20 +139,22 @@ class Draws:
             rs.learn(index, get_state(gen))
         return out
 
-    def follow(self, node, flat=None):
+    def follow(self, node, flat=None, rs=None, index=None):
         """Draw random ``node`` with its recorded arguments (``flat``: with its
         tensor), right after the draw before it on its generator (the caller
         checked that nothing stands between): :meth:`call` less its
-        questions, for runs of small tensors."""
+        questions, for runs of small tensors.  ``rs``, ``index``: its replay
+        stream and position there, if the caller knows them."""
         args, kwargs = unflatten(node.flat if flat is None else flat, node.spec)
-        rs = self.streams[id(node.rng[0]())]
+        if rs is None:
+            rs = self.streams[id(node.rng[0]())]
         entry = self._cursors.get(id(rs))
         how = self._how.get(id(node.target))
         if entry is None or how is None or not how[1]:
             return self.call(node, args, kwargs)  # the first of its kind, or not on a CPU generator
         kwargs["generator"] = rs.generator
         out = how[0](*args, **kwargs)
-        self._passed(rs, rs.index[id(node)])
+        self._passed(rs, rs.index[id(node)] if index is None else index)
         return out
 
     def _call_part(self, rs, cursor, node, index, args, kwargs, part) -> bool:

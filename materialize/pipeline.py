@@ -20,9 +20,13 @@ included) runs :func:`materialize`, one sequence of steps:
    recorded storages told their real memory (:class:`~deferinit.materialize.swap.Swaps`);
 5. **hand over** the generators (:mod:`deferinit.materialize.generators`).
 
-Everything is computed before anything is swapped in: a failure, or an
-interrupt at any line before the commit, leaves every tensor deferred and
-every generator as it was.
+Where a group's plan is only its targets' own factory calls (a model of
+random parameters and constant buffers made real whole), steps 2 to 4 run
+per tensor: each plain tensor is dressed and swapped in as the replay makes
+it (:func:`_streamed`), one pass instead of three over many small tensors.
+Either way, a failure, or an interrupt at any line before the commit,
+leaves every tensor deferred and every generator as it was: the swaps made
+are undone.
 """
 
 from __future__ import annotations
@@ -89,15 +93,22 @@ def _run(hand, targets, device, inference, progress, counted, kept_deferred, wra
     shown = start_progress(progress, counted)
     counted = {id(f) for f in counted}
     try:
+        fakes = [fake for group in units for _, fake in group]
+        records = records_of(fakes)
+        swaps = Swaps(wrappers=wrappers)
+        # Plain tensors of a plan of factory calls are swapped in as the replay
+        # makes them (see _streamed): undone with the rest if the call fails.
+        streamed = binder is None and sharding is None and not inference and not torch.is_inference_mode_enabled()
+        if streamed:
+            hand.undone_by(swaps.undo)
         # -- replay
         streams: dict = {}  # the latest replay stream of each record stream
         computed = []  # (group, reads, reals, retaken, compacted)
         for group in units:
-            computed.append(_replayed(group, device, inference, binder, shown, counted, streams, sharding))
-        fakes = [fake for group in units for _, fake in group]
-        records = records_of(fakes)
+            computed.append(_replayed(group, device, inference, binder, shown, counted, streams, sharding,
+                                      swaps if streamed else None))
         # -- dress, swap, hand over
-        _swap_in(hand, computed, fakes, inference, binder, wrappers, list(streams.values()), records)
+        _swap_in(hand, computed, inference, binder, swaps, list(streams.values()), records)
     except BaseException:
         if shown is not None:
             shown.close(ok=False)
@@ -122,10 +133,11 @@ def _with_leaves(targets, kept_deferred):
     return targets, Binder(targets, lambda fake, t: dress(fake, t, False))
 
 
-def _replayed(group, device, inference, binder, shown, counted, streams, sharding) -> tuple:
+def _replayed(group, device, inference, binder, shown, counted, streams, sharding, swaps=None) -> tuple:
     """``(group, reads, reals, retaken, compacted)``: one group replayed; its
     replay streams merged into ``streams`` (a later group's stream of a record
-    stream continues the earlier's)."""
+    stream continues the earlier's); with ``swaps``, the plain tensors of a
+    plan of factory calls swapped in as they are made (their reals: None)."""
     reads = [read_of(fake) for _, fake in group]
     labels = [name for name, _ in group]
     fresh = fresh_reads(group, reads) if binder is not None else []
@@ -133,7 +145,8 @@ def _replayed(group, device, inference, binder, shown, counted, streams, shardin
                     labels=labels + [labels[i] for i, _ in fresh], autograd=binder)
     if shown is not None:
         replay.progress = shown.replay_callback(replay, [f if id(f) in counted else None for _, f in group])
-    reals = with_fresh_graphs(replay.run(), fresh, len(reads))
+    sink = _streamed(group, reads, swaps) if swaps is not None else None
+    reals = with_fresh_graphs(replay.run(sink), fresh, len(reads))
     if shown is not None:
         shown.draws_done(replay.draw_stats)
     for rs in replay.plan.replay_streams:
@@ -151,40 +164,56 @@ def _replayed(group, device, inference, binder, shown, counted, streams, shardin
     return group, reads, reals, retaken, compacted
 
 
-def _swap_in(hand, computed, fakes, inference, binder, wrappers, streams, records) -> None:
-    """Dress every result, swap them in, rebuild ``wrappers`` around them and
-    remember the real storages, all or nothing (see
+def _streamed(group, reads, swaps):
+    """The replay's sink for ``group`` (see :meth:`Replay.run`): a plain leaf (no
+    view, no graph, not inference, no storage shared or remembered by
+    autograd) is dressed and swapped in once real, in the replay's loop; the
+    others are left to :func:`_swap_in`.  The fakes are asked inside the
+    replay's ``no_python_dispatch`` (no torch function: plain queries)."""
+    def sink(i, real) -> bool:
+        fake = group[i][1]
+        d = fake.__dict__
+        storage = d["_storage"]
+        if (type(real) is not torch.Tensor or real._is_view() or storage.shared or d.get("_leaf") is not None
+                or fake._is_view() or fake.grad_fn is not None or fake.is_inference()):
+            return False
+        swaps.one(fake, dress_leaf(fake, real), (reads[i], storage))
+        return True
+    return sink
+
+
+def _swap_in(hand, computed, inference, binder, swaps, streams, records) -> None:
+    """Dress every result not swapped in yet, swap them in, rebuild the wrappers
+    around them and remember the real storages, all or nothing (see
     :class:`~deferinit.materialize.generators.HandOver`)."""
-    pairs = []
-    for group, _, reals, retaken, _ in computed:
-        pairs += _dressed(group, reals, inference, binder, retaken)
-    _one_object_each(pairs, [name for group, *_ in computed for name, _ in group])
-    storages = [fake._storage for fake in fakes]
-    for storage, (_, real) in zip(storages, pairs):
-        if storage.shared:  # share_memory_() while deferred (model.share_memory())
-            real.share_memory_()
-    tokens = [leaf_token(fake) for fake in fakes]
-    if all(token is None for token in tokens):
-        tokens = ()
-    swaps = Swaps(pairs, wrappers)
-    kept = [(token, token.real, token.real_version) for token in tokens if token is not None]
+    pairs, names, remember = [], [], []
+    for group, reads, reals, retaken, compacted in computed:
+        if all(real is None for real in reals):  # all swapped in by the replay (_streamed)
+            continue
+        # Each storage learns its real memory with its tensor's swap, unless
+        # compacted (nothing else can read that storage: see Sharding.compact).
+        for (name, fake), read, pair in zip(group, reads, _dressed(group, reals, inference, binder, retaken)):
+            if pair is None:  # swapped in by the replay (_streamed)
+                continue
+            storage = fake._storage
+            if storage.shared:  # share_memory_() while deferred (model.share_memory())
+                pair[1].share_memory_()
+            pairs.append(pair)
+            names.append(name)
+            remember.append(None if compacted else (read, storage))
+    _one_object_each(pairs, names)
+    tokens = [(fake, leaf_token(fake)) for fake, _ in pairs]
+    kept = [(token, token.real, token.real_version) for _, token in tokens if token is not None]
 
     def undo():
         for token, real, version in kept:
             token.real, token.real_version = real, version
         swaps.undo()
 
-    # Each storage learns its real memory with its tensor's swap, unless
-    # compacted (nothing else can read that storage: see Sharding.compact).
-    remember = []
-    at = 0
-    for group, reads, _, _, compacted in computed:
-        remember += [None] * len(group) if compacted else zip(reads, storages[at:at + len(group)])
-        at += len(group)
     hand.undone_by(undo)  # run by the hand-over's exit unless committed, whatever interrupts
     try:
-        swaps.run(remember)
-        for fake, token in zip(fakes, tokens):
+        swaps.run(remember, pairs)
+        for fake, token in tokens if kept else ():
             if token is not None:
                 token.real = fake  # now real: graphs replayed later reach it
                 token.real_version = None if fake.is_inference() else fake._version
@@ -205,6 +234,8 @@ def _dressed(group, reals, inference, binder, retaken=()) -> list:
     if binder is None and not inference and not torch.is_inference_mode_enabled():
         with plain_queries():  # fakes, and tensors the replay made
             for i, ((_, fake), real) in enumerate(zip(group, reals)):
+                if real is None:  # swapped in already (_streamed)
+                    continue
                 if type(real) is torch.Tensor and not fake._is_view() and not real._is_view() and fake.grad_fn is None and not fake.is_inference():
                     pairs[i] = (fake, dress_leaf(fake, real))
                 else:

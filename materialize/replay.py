@@ -145,8 +145,14 @@ class Replay:
 
     # -- execution --------------------------------------------------------------
 
-    def run(self) -> list[torch.Tensor]:
-        """Execute the plan; returns one real tensor per target read."""
+    def run(self, sink=None) -> list[torch.Tensor]:
+        """Execute the plan; returns one real tensor per target read.
+
+        ``sink(i, tensor)``: where the plan is only the targets' own factory
+        calls (``Plan.whole``), target ``i`` is handed to it as soon as it is
+        real (:meth:`_run_whole`); the results it takes (True) are None."""
+        if sink is not None and self.plan.whole and self.autograd is None:
+            return self._run_whole(sink)
         self._check_sources()
         plan = self.plan
         reads = plan.reads
@@ -304,6 +310,64 @@ class Replay:
                         results[i] = again
         finally:
             # The values die at the end of the run, as they did in its frame.
+            self.env = self.real_views = self.draws = self.dtype_guard = None
+        return results
+
+    def _run_whole(self, sink) -> list:
+        """:meth:`run` of a plan of the targets' own factory calls, one each: a
+        target is final once its node ran, so it goes to ``sink`` at once
+        (the pipeline dresses and swaps it in there: one pass per tensor,
+        which a model of many small tensors needs).  Draws that take their
+        generator right after the one before are :meth:`Draws.follow`'s."""
+        plan = self.plan
+        targets = plan.targets
+        at = {id(inp.value.node): i for i, inp in enumerate(targets)}
+        results = [None] * len(targets)
+        self.env = env = {}
+        self.real_views = {}
+        self._produced, self._uses, self._borrowed = {}, {}, set()
+        # Passed as recorded where no device is mapped (nodes reading no tensor).
+        self._as_recorded = {id(node) for node in plan.order} if self.device_map.target is None else set()
+        streams = plan.streams
+        progress = self.progress
+        total = len(plan.order)
+        node = None
+        try:
+            with Draws(streams) as draws, no_python_dispatch(), below_autograd(self.inference), _DefaultDtype() as dtype_guard:
+                self.draws, self.dtype_guard = draws, dtype_guard
+                follow = draws.follow if self._as_recorded else None
+                last = None  # (stream, index, default dtype) of the draw right before
+                for done, node in enumerate(plan.order, 1):
+                    i = at[id(node)]
+                    pos = targets[i].value.index
+                    try:
+                        if (node.rng is not None and node.kind == "op" and node.autograd is NOTHING_SEEN
+                                and not node.reshapes):
+                            rs = streams[id(node.rng[0]())]
+                            index = rs.index[id(node)]
+                            dtype = node.default_dtype
+                            # (continues(rs, index), its first question answered by last[1].)
+                            if (follow is not None and last is not None and last[0] is rs and last[1] == index - 1
+                                    and last[2] is dtype and index not in rs.events and last[1] not in rs.post):
+                                out = follow(node, None, rs, index)
+                                if not isinstance(out, torch.Tensor):
+                                    out = flatten_output(out)[0][pos]
+                            else:
+                                self.draw(node, (pos,))
+                                out = env.pop((node, pos))
+                            last = (rs, index, dtype)
+                        else:
+                            self.run_node(node, (pos,))
+                            out = env.pop((node, pos))
+                            last = None
+                    except Exception as e:
+                        raise self._failure(node, e) from e
+                    if not sink(i, out):
+                        results[i] = out
+                    if progress is not None:
+                        progress(done, total)
+                self.draw_stats = draws.stats
+        finally:
             self.env = self.real_views = self.draws = self.dtype_guard = None
         return results
 

@@ -117,11 +117,14 @@ def _leaf(cls, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     if cls is not None:
         # PyTorch's own, not the diversion torch.Tensor holds while fakes live
         # (fake/subclass.py): ``real`` is real, and this runs once per tensor.
-        return torch._C.TensorBase._make_subclass(cls, real, requires_grad)
+        return _make_subclass(cls, real, requires_grad)
     obj = real.detach()
     if requires_grad:
         obj.requires_grad_(True)
     return obj
+
+
+_make_subclass = torch._C.TensorBase._make_subclass
 
 
 def swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
@@ -170,32 +173,33 @@ class Swaps:
         (True, 'TwoTensor', False, [0.0, 0.0])
     """
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], wrappers=()):
-        self.pairs = list(pairs)
-        # Each pair's note is taken right before its swap (:meth:`undo` pairs them up).
+    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]] = (), wrappers=()):
+        # The pairs :meth:`run` swaps (those given to it otherwise).
+        self.pending = list(pairs)
+        # The pairs swapped (or being swapped), each with its note, taken right
+        # before its swap, at the same index of ``before`` (:meth:`undo` pairs them up).
+        self.pairs: list = []
         self.before: list = []
         self.wrappers = list(wrappers)
         self.storages: list = []
 
-    def run(self, remember=None) -> None:
-        """Swap each ``(fake, dressed_real)`` pair, then rebuild the wrappers around
-        them; undo everything if one fails.  ``remember``: per pair, ``(read,
-        storage)`` whose storage learns its real memory once swapped (undone
-        with the rest), or None; one pass over the pairs does both."""
-        before, storages = self.before, self.storages
+    def run(self, remember=None, pairs=None) -> None:
+        """Swap each ``(fake, dressed_real)`` pair (``pairs``, default: those given
+        at construction), then rebuild the wrappers around them; undo
+        everything if one fails.  ``remember``: per pair, ``(read, storage)``
+        whose storage learns its real memory once swapped (undone with the
+        rest), or None; one pass over the pairs does both."""
+        if pairs is None:
+            pairs, self.pending = self.pending, []
         try:
             with plain_queries():  # fakes and the tensors dressed for them
-                for i, (fake, real) in enumerate(list(self.pairs)):
-                    before.append(_noted(fake, real))
-                    swap(fake, real)
-                    if remember is not None and remember[i] is not None:
-                        read, storage = remember[i]
-                        storages.append((storage, storage.real, storage.real_head))
-                        _remember(read, storage, fake)
+                for i, (fake, real) in enumerate(pairs):
+                    self._swap(fake, real, None if remember is None else remember[i])
         except Exception as e:
             self.undo()
             raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
         w = None
+        before = self.before
         try:
             for w in self.wrappers:
                 new = rebuilt(w)
@@ -210,6 +214,26 @@ class Swaps:
                 f"rebuilding a {type(w).__name__} around its materialized inner tensors failed "
                 f"({type(e).__name__}: {e}); nothing was changed"
             ) from e
+
+    def one(self, fake: torch.Tensor, real: torch.Tensor, remember=None) -> None:
+        """Swap one pair now, as :meth:`run` does (a replay handing its tensors
+        over as they are made); undone with the rest."""
+        try:
+            self._swap(fake, real, remember)
+        except Exception as e:
+            self.undo()
+            raise MaterializationError(f"swapping the real tensors in failed: {e}; nothing was changed") from e
+
+    def _swap(self, fake, real, remember) -> None:
+        # Pair, then note, then swap: an interrupt between leaves a pair
+        # without a note (zip ignores it) or a note of what is still so.
+        self.pairs.append((fake, real))
+        self.before.append(_noted(fake, real))
+        swap(fake, real)
+        if remember is not None:
+            read, storage = remember
+            self.storages.append((storage, storage.real, storage.real_head))
+            _remember(read, storage, fake)
 
     def undo(self) -> None:
         """Put every object and storage back as before (idempotent)."""

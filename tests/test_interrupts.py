@@ -446,6 +446,19 @@ class _AtLine:
         return self._line
 
 
+def interrupted_at(k, watched, act):
+    """Run ``act()`` with a KeyboardInterrupt at the ``k``-th line of the code
+    ``watched(code)`` accepts: where it was raised, or None if ``act`` ended first."""
+    sys.settrace(_AtLine(k, watched))
+    try:
+        act()
+    except KeyboardInterrupt as e:
+        return str(e)
+    finally:
+        sys.settrace(None)
+    return None
+
+
 def _run_traced(scenario, state, k):
     tracer = _AtLine(k)
     interrupted = False

@@ -204,9 +204,9 @@ def test_runs_are_taken(monkeypatch):
     followed = []
     original = draws.Draws.follow
 
-    def spy(self, node, flat=None):
+    def spy(self, node, *args):
         followed.append(node)
-        return original(self, node, flat)
+        return original(self, node, *args)
 
     monkeypatch.setattr(draws.Draws, "follow", spy)
     materialize_module(deferred_init(Runs, 30, _reseed))
@@ -221,11 +221,11 @@ def test_a_failing_draw_in_a_run_is_named_and_changes_nothing(monkeypatch):
     original = draws.Draws.follow
     calls = []
 
-    def failing(self, node, flat=None):
+    def failing(self, node, *args):
         calls.append(node)
         if len(calls) == 5:
             raise RuntimeError("simulated failure")
-        return original(self, node, flat)
+        return original(self, node, *args)
 
     monkeypatch.setattr(draws.Draws, "follow", failing)
     torch.manual_seed(0)

@@ -7,7 +7,6 @@ values and generators; every STEP-th line those functions execute is hit in turn
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn as nn
 from deferinit import deferred_init, is_deferred
 from deferinit.materialize import load_checkpoint, materialize_module
 from helpers import assert_same_tensors
-from test_interrupts import _AtLine  # its trace function, given the functions watched here
+from test_interrupts import interrupted_at  # its trace function, given the functions watched here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The functions whose lines are interrupted, by file.
@@ -70,18 +69,8 @@ def test_an_interrupt_at_each_line_of_the_new_paths(load):
         if load:
             _loads(d)
         before, g_before = torch.get_rng_state(), G.get_state()
-        tracer = _AtLine(k, _watched)
-        interrupted = False
-        sys.settrace(tracer)
-        where = None
-        try:
-            materialize_module(d)
-        except KeyboardInterrupt as e:
-            interrupted = True
-            where = str(e)
-        finally:
-            sys.settrace(None)
-        if not interrupted:
+        where = interrupted_at(k, _watched, lambda: materialize_module(d))
+        if where is None:
             break
         hit += 1
         held = dict(d.named_parameters(), **dict(d.named_buffers()))
