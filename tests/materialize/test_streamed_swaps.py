@@ -227,3 +227,24 @@ def test_draws_outside_adds_what_draws_before_adds(build, pick):
         assert torch.equal(p, eager[at[id(p)]])
     if pick == "all":
         assert torch.equal(torch.get_rng_state(), after)
+
+
+@pytest.mark.parametrize("others", ["module", "tensor", "submodule"])
+def test_threads_asking_while_tensors_stream_in(monkeypatch, others):
+    """Other threads asking for the same tensors while the first call is
+    half-way through swapping them in: they wait for it, and every tensor
+    is eager's, a Parameter where eager's is."""
+    from overlap import overlapped
+
+    eager, state, g = _eager(Plain)
+    for _ in range(4):
+        d = _deferred(Plain)
+        asks = {
+            "module": lambda: materialize_module(d),
+            "tensor": lambda: materialize_tensor(d.ps[4]),
+            "submodule": lambda: materialize_module(d.ps),
+        }
+        overlapped(monkeypatch, lambda: materialize_module(d), [asks[others]] * 2, [(Swaps, "one")])
+        assert_same_tensors(eager, d)
+        assert all(type(p) is nn.Parameter for p in d.parameters())
+        assert torch.equal(torch.get_rng_state(), state) and torch.equal(G.get_state(), g)
