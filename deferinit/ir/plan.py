@@ -166,11 +166,13 @@ class Plan:
             # While only the targets' factory calls are planned, only what
             # draws_before adds matters (see draws_outside).
             lean = whole is not None and before == len(whole)
-            found = (draws_outside if lean else draws_before)(needed.values(), self.streams)
+            positions = _positions(needed.values(), self.streams)
+            found = (_outside if lean else _before)(positions)
             closure((), found, needed)
             if len(needed) == before:
                 break
-        self._mark_planned(needed)
+        for rs, ks in positions:  # the random nodes of needed, the last pass's
+            rs.planned.update(ks)
 
         if not self.eliminate or whole is not None and len(needed) == len(whole):
             # (All whole: every node is a target's one factory call, live as recorded.)
@@ -222,8 +224,12 @@ class Plan:
 def draws_before(nodes, streams: dict) -> list:
     """The draws to replay so that the state before each random node of ``nodes``
     is known (see :meth:`ReplayStream.needs_all`), each once."""
+    return _before(_positions(nodes, streams))
+
+
+def _before(positions) -> list:
     found = []
-    for rs, ks in _positions(nodes, streams):
+    for rs, ks in positions:
         found.extend(rs.needs_all(ks))
     return found
 
@@ -234,8 +240,12 @@ def draws_outside(nodes, streams: dict) -> list:
     stream's draws among ``nodes`` are one run with no event inside (a
     model's parameters, drawn in order): there a walk leaves the run only
     through its first draw (no state put back inside jumps over it)."""
+    return _outside(_positions(nodes, streams))
+
+
+def _outside(positions) -> list:
     found = []
-    for rs, ks in _positions(nodes, streams):
+    for rs, ks in positions:
         ks.sort()
         lo, hi = ks[0], ks[-1]
         if hi - lo + 1 == len(ks) and not any(lo < k <= hi for k in rs.events):
