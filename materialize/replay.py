@@ -151,7 +151,7 @@ class Replay:
         ``sink(i, tensor)``: where the plan is only the targets' own factory
         calls (``Plan.whole``), target ``i`` is handed to it as soon as it is
         real (:meth:`_run_whole`); the results it takes (True) are None."""
-        if sink is not None and self.plan.whole and self.autograd is None:
+        if sink is not None and self.plan.whole is not None and self.autograd is None:
             return self._run_whole(sink)
         self._check_sources()
         plan = self.plan
@@ -321,13 +321,12 @@ class Replay:
         generator right after the one before are :meth:`Draws.follow`'s."""
         plan = self.plan
         targets = plan.targets
-        at = {id(inp.value.node): i for i, inp in enumerate(targets)}
         results = [None] * len(targets)
         self.env = env = {}
         self.real_views = {}
-        self._produced, self._uses, self._borrowed = {}, {}, set()
-        # Passed as recorded where no device is mapped (nodes reading no tensor).
-        self._as_recorded = {id(node) for node in plan.order} if self.device_map.target is None else set()
+        self._produced, self._uses, self._borrowed, self._as_recorded = {}, {}, set(), set()
+        # Arguments passed as recorded (no tensor among them) where no device is mapped.
+        as_recorded = self.device_map.target is None
         streams = plan.streams
         progress = self.progress
         total = len(plan.order)
@@ -335,11 +334,11 @@ class Replay:
         try:
             with Draws(streams) as draws, no_python_dispatch(), below_autograd(self.inference), _DefaultDtype() as dtype_guard:
                 self.draws, self.dtype_guard = draws, dtype_guard
-                follow = draws.follow if self._as_recorded else None
+                follow = draws.follow if as_recorded else None
                 last = None  # (stream, index, default dtype) of the draw right before
-                for done, node in enumerate(plan.order, 1):
-                    i = at[id(node)]
-                    pos = targets[i].value.index
+                for done, i in enumerate(plan.whole, 1):
+                    value = targets[i].value
+                    node, pos = value.node, value.index
                     try:
                         if (node.rng is not None and node.kind == "op" and node.autograd is NOTHING_SEEN
                                 and not node.reshapes):
@@ -353,7 +352,7 @@ class Replay:
                                 if not isinstance(out, torch.Tensor):
                                     out = flatten_output(out)[0][pos]
                             else:
-                                self.draw(node, (pos,))
+                                self.draw(node, (pos,), as_recorded)
                                 out = env.pop((node, pos))
                             last = (rs, index, dtype)
                         else:
@@ -442,12 +441,13 @@ class Replay:
         """A value recorded by copy."""
         self.env[(node, 0)] = node.payload.to(self.device_map(node.target), copy=True)
 
-    def draw(self, node: Node, wanted) -> None:
+    def draw(self, node: Node, wanted, as_recorded=None) -> None:
         """A random operator autograd did not see, drawn whole: :meth:`call` less
         what cannot apply (no alias, no detach, no graph, no reuse of an
         input's memory, no scratch, no part), the most frequent node of a
-        model's record."""
-        if id(node) in self._as_recorded:
+        model's record.  ``as_recorded``: whether its arguments are passed
+        as recorded (default: whether :meth:`run` found them so)."""
+        if as_recorded if as_recorded is not None else id(node) in self._as_recorded:
             args = node.flat  # unflatten copies
         else:
             device_map, resolve = self.device_map, self.resolve

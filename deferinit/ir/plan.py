@@ -130,9 +130,10 @@ class Plan:
         # record as written (the graph views show it so).
         self.eliminate = eliminate
         self.liveness: Liveness | None = None
-        # Every node is one target's own factory call, each target's whole
-        # value (see liveness.whole_factories): final once its node ran.
-        self.whole = False
+        # When every node is one target's own factory call, each target's
+        # whole value (see liveness.whole_factories), final once its node
+        # ran: the targets' indices in recorded order; else None.
+        self.whole: list[int] | None = None
         self._plan()
 
     def _plan(self) -> None:
@@ -176,8 +177,12 @@ class Plan:
 
         if not self.eliminate or whole is not None and len(needed) == len(whole):
             # (All whole: every node is a target's one factory call, live as recorded.)
-            self.whole = whole is not None
-            self.order = sorted(needed.values(), key=lambda n: n.seq)
+            if whole is None:
+                self.order = sorted(needed.values(), key=lambda n: n.seq)
+                return
+            targets = self.targets
+            self.whole = sorted(range(len(targets)), key=lambda i: targets[i].value.node.seq)
+            self.order = [targets[i].value.node for i in self.whole]
             return
         # -- dead-work elimination: of everything the reads could need, what
         # their values and the live draws' generator states really depend on.
