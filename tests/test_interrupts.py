@@ -459,6 +459,16 @@ def interrupted_at(k, watched, act):
     return None
 
 
+def all_or_nothing(module, where, unchanged) -> None:
+    """After an interrupt at ``where``: every parameter and buffer of ``module``
+    still deferred and ``unchanged()`` (the generators as before), or none."""
+    deferred_now = {n: is_deferred(t) for n, t in [*module.named_parameters(), *module.named_buffers()]}
+    if all(deferred_now.values()):
+        assert unchanged(), where
+    else:
+        assert not any(deferred_now.values()), f"half materialized after an interrupt at {where}: {deferred_now}"
+
+
 def _run_traced(scenario, state, k):
     tracer = _AtLine(k)
     interrupted = False

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from deferinit import deferred_init, is_deferred
+from deferinit import deferred_init
 from deferinit.materialize import load_checkpoint, materialize_module
 from helpers import assert_same_tensors
-from test_interrupts import interrupted_at  # its trace function, given the functions watched here
+from test_interrupts import all_or_nothing, interrupted_at  # its trace function, given the functions watched here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The functions whose lines are interrupted, by file.
@@ -73,12 +73,7 @@ def test_an_interrupt_at_each_line_of_the_new_paths(load):
         if where is None:
             break
         hit += 1
-        held = dict(d.named_parameters(), **dict(d.named_buffers()))
-        deferred_now = {n: is_deferred(t) for n, t in held.items()}
-        if all(deferred_now.values()):
-            assert torch.equal(torch.get_rng_state(), before) and torch.equal(G.get_state(), g_before), where
-        else:
-            assert not any(deferred_now.values()), f"half materialized after an interrupt at {where}: {deferred_now}"
+        all_or_nothing(d, where, lambda: torch.equal(torch.get_rng_state(), before) and torch.equal(G.get_state(), g_before))
         materialize_module(d)
         assert_same_tensors(eager, d)
         assert torch.equal(torch.get_rng_state(), e_state) and torch.equal(G.get_state(), e_g), k

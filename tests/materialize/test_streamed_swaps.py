@@ -19,7 +19,7 @@ from deferinit.materialize import materialize_module, materialize_tensor
 from deferinit.materialize.draws import Draws
 from deferinit.materialize.swap import Swaps
 from helpers import assert_same_tensors
-from test_interrupts import interrupted_at
+from test_interrupts import all_or_nothing, interrupted_at
 
 G = torch.Generator()
 
@@ -155,11 +155,7 @@ def test_an_interrupt_at_each_line_leaves_all_or_nothing(cls):
         if where is None:
             break
         hit += 1
-        deferred_now = {n: is_deferred(t) for n, t in _held(d).items()}
-        if all(deferred_now.values()):
-            assert torch.equal(torch.get_rng_state(), before) and torch.equal(G.get_state(), g_before), where
-        else:
-            assert not any(deferred_now.values()), f"half materialized after an interrupt at {where}: {deferred_now}"
+        all_or_nothing(d, where, lambda: torch.equal(torch.get_rng_state(), before) and torch.equal(G.get_state(), g_before))
         materialize_module(d)
         assert_same_tensors(eager, d)
         assert torch.equal(torch.get_rng_state(), state) and torch.equal(G.get_state(), g), where
