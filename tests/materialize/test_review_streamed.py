@@ -695,3 +695,25 @@ def test_state_put_back_across_a_seed(gen, order):
             materialize_tensor(t)
     _compare(eager, d)
     _after_equal(e_state)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "pre-existing (streamed or not): a .grad given to a parameter inside the constructor is "
+    "silently dropped by materialization (None), where eager keeps it"))
+@pytest.mark.parametrize("order", ["module", "tensor"])
+def test_grad_set_in_the_constructor(order):
+    def make():
+        p = nn.Parameter(torch.randn(3))
+        p.grad = torch.ones(3)
+        return nn.ParameterList([p, nn.Parameter(torch.randn(2))])
+
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    d = deferred_init(make)
+    if order == "module":
+        materialize_module(d)
+    else:
+        materialize_tensor(d[0])
+    assert torch.equal(d[0], eager[0])
+    assert d[0].grad is not None and torch.equal(d[0].grad, eager[0].grad)
