@@ -345,9 +345,8 @@ class Replay:
                             rs = streams[id(node.rng[0]())]
                             index = rs.index[id(node)]
                             dtype = node.default_dtype
-                            # (continues(rs, index), its first question answered by last[1].)
                             if (follow is not None and last is not None and last[0] is rs and last[1] == index - 1
-                                    and last[2] is dtype and index not in rs.events and last[1] not in rs.post):
+                                    and last[2] is dtype and continues(rs, index)):
                                 out = follow(node, None, rs, index)
                                 if not isinstance(out, torch.Tensor):
                                     out = flatten_output(out)[0][pos]
