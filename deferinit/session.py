@@ -111,10 +111,11 @@ class _Recording:
         _refuse_unhonourable_modes(self.note)
         self.entry = Entry()
         self.outer = current_record()
-        undoing(lambda: self.end(True), self._open)
-        return self.record
+        # One line: an interrupt at a later line of __enter__ would leave the
+        # block's modes pushed, and the with statement calls no __exit__ then.
+        return undoing(lambda: self.end(True), self._open)
 
-    def _open(self) -> None:
+    def _open(self) -> Record:
         patches.TRUNC_NORMAL.acquire(self.entry)
         seeding.hold(self.entry)
         # The record reads the generators' entry states once the seeding API
@@ -127,6 +128,7 @@ class _Recording:
         open_records().append(self.record)
         self.modes = fake_modes(RECORDER, self.record, fake_cuda=True)
         self.modes.__enter__()
+        return self.record
 
     def __exit__(self, kind, value, tb) -> None:
         # No bare ``try:`` line first: Python reports a line there, outside the block.
