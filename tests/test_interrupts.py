@@ -904,3 +904,33 @@ def test_the_replays_inference_mode_guard_is_freed_in_order_when_its_exit_is_ski
         del bypass, below
         gc.collect()
         assert state() == before
+
+
+def test_an_interrupt_at_each_line_of_opening_a_deferred_block():
+    """``with deferred():`` opening (``_Recording.__enter__`` and ``_open``): an
+    interrupt at any of their lines leaves no live mode, no record open and the
+    thread's modes and defaults as they were (the with statement calls no
+    ``__exit__`` when ``__enter__`` raises)."""
+    import deferinit.session as session
+    from deferinit.fake.mode import FakeFunctionMode
+
+    def watched(code):
+        return code.co_filename == session.__file__ and code.co_name in ("__enter__", "_open")
+
+    def act():
+        with deferred():
+            nn.Linear(2, 2)
+
+    k = 1
+    while True:
+        before = torch_snapshot.take()
+        where = interrupted_at(k, watched, act)
+        found = torch_snapshot.differences(before, torch_snapshot.take())
+        assert not [d for d in found if len(d) == 3], (where, found)
+        stack = torch.overrides._get_current_function_mode_stack()
+        assert not [m for m in stack if isinstance(m, FakeFunctionMode) and not m.closed], where
+        assert session.current_record() is None, where
+        if where is None:
+            break
+        k += 1
+    assert k > 5, k
