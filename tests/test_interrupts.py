@@ -934,3 +934,42 @@ def test_an_interrupt_at_each_line_of_opening_a_deferred_block():
             break
         k += 1
     assert k > 5, k
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap, not fixed yet: fake_mode().__enter__ enters its modes, then guards planning's entry on the "
+    "next line; an interrupt at that line (fake/mode.py, fake_mode.__enter__) leaves the fake modes pushed, "
+    "and the with statement calls no __exit__ when __enter__ raises (the fix d6b4f9e made for deferred())"))
+def test_an_interrupt_at_each_line_of_opening_a_fake_mode_block():
+    """As above, for ``with fake_mode():``."""
+    import deferinit.fake.mode as mode
+    from deferinit.fake import fake_mode
+    from deferinit.fake.mode import FakeFunctionMode
+
+    def watched(code):
+        return code.co_filename == mode.__file__ and code.co_name in ("__enter__", "_enter")
+
+    made = []
+
+    def act():
+        block = fake_mode()
+        made.append(block)
+        with block:
+            nn.Linear(2, 2)
+
+    k = 1
+    try:
+        while True:
+            before = torch_snapshot.take()
+            where = interrupted_at(k, watched, act)
+            found = torch_snapshot.differences(before, torch_snapshot.take())
+            assert not [d for d in found if len(d) == 3], (where, found)
+            stack = torch.overrides._get_current_function_mode_stack()
+            assert not [m for m in stack if isinstance(m, FakeFunctionMode) and not m.closed], where
+            if where is None:
+                break
+            k += 1
+    finally:
+        for block in made:  # what the gap leaves, put back as a fixed __enter__ would (idempotent)
+            block.modes.exit(True)
+    assert k > 5, k
