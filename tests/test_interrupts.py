@@ -906,20 +906,11 @@ def test_the_replays_inference_mode_guard_is_freed_in_order_when_its_exit_is_ski
         assert state() == before
 
 
-def test_an_interrupt_at_each_line_of_opening_a_deferred_block():
-    """``with deferred():`` opening (``_Recording.__enter__`` and ``_open``): an
-    interrupt at any of their lines leaves no live mode, no record open and the
-    thread's modes and defaults as they were (the with statement calls no
-    ``__exit__`` when ``__enter__`` raises)."""
-    import deferinit.session as session
+def _interrupt_each_line_of_opening(watched, act, closed=lambda: True) -> None:
+    """Interrupt ``act()`` at each line of the code ``watched`` accepts in turn: the
+    thread's modes and defaults as they were after each, no live fake function
+    mode, and ``closed()`` (what the block opened is closed)."""
     from deferinit.fake.mode import FakeFunctionMode
-
-    def watched(code):
-        return code.co_filename == session.__file__ and code.co_name in ("__enter__", "_open")
-
-    def act():
-        with deferred():
-            nn.Linear(2, 2)
 
     k = 1
     while True:
@@ -929,11 +920,28 @@ def test_an_interrupt_at_each_line_of_opening_a_deferred_block():
         assert not [d for d in found if len(d) == 3], (where, found)
         stack = torch.overrides._get_current_function_mode_stack()
         assert not [m for m in stack if isinstance(m, FakeFunctionMode) and not m.closed], where
-        assert session.current_record() is None, where
+        assert closed(), where
         if where is None:
             break
         k += 1
     assert k > 5, k
+
+
+def test_an_interrupt_at_each_line_of_opening_a_deferred_block():
+    """``with deferred():`` opening (``_Recording.__enter__`` and ``_open``): an
+    interrupt at any of their lines leaves no live mode, no record open and the
+    thread's modes and defaults as they were (the with statement calls no
+    ``__exit__`` when ``__enter__`` raises)."""
+    import deferinit.session as session
+
+    def watched(code):
+        return code.co_filename == session.__file__ and code.co_name in ("__enter__", "_open")
+
+    def act():
+        with deferred():
+            nn.Linear(2, 2)
+
+    _interrupt_each_line_of_opening(watched, act, lambda: session.current_record() is None)
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -944,7 +952,6 @@ def test_an_interrupt_at_each_line_of_opening_a_fake_mode_block():
     """As above, for ``with fake_mode():``."""
     import deferinit.fake.mode as mode
     from deferinit.fake import fake_mode
-    from deferinit.fake.mode import FakeFunctionMode
 
     def watched(code):
         return code.co_filename == mode.__file__ and code.co_name in ("__enter__", "_enter")
@@ -957,19 +964,8 @@ def test_an_interrupt_at_each_line_of_opening_a_fake_mode_block():
         with block:
             nn.Linear(2, 2)
 
-    k = 1
     try:
-        while True:
-            before = torch_snapshot.take()
-            where = interrupted_at(k, watched, act)
-            found = torch_snapshot.differences(before, torch_snapshot.take())
-            assert not [d for d in found if len(d) == 3], (where, found)
-            stack = torch.overrides._get_current_function_mode_stack()
-            assert not [m for m in stack if isinstance(m, FakeFunctionMode) and not m.closed], where
-            if where is None:
-                break
-            k += 1
+        _interrupt_each_line_of_opening(watched, act)
     finally:
         for block in made:  # what the gap leaves, put back as a fixed __enter__ would (idempotent)
             block.modes.exit(True)
-    assert k > 5, k
