@@ -151,12 +151,22 @@ def whole_factories(targets, real_read) -> dict | None:
         True
     """
     found: dict = {}
+    # _whole and _factory inlined (asked of every tensor of a model of many
+    # small ones); real_read only of a storage already real.
     for inp in targets:
-        node = inp.value.node
-        if id(node) in found or not _whole(inp, real_read):
+        value = inp.value
+        node = value.node
+        if inp.version is not None or node.writes or node.reshapes or 0 in value.size:
+            return None
+        for x in node.flat:
+            if type(x) is Input:
+                return None
+        storage = value._storage()
+        if storage is not None and storage.real is not None and real_read(inp):
             return None
         found[id(node)] = node
-    return found
+    # Two targets of one call (two reads of one value) are not each their own.
+    return found if len(found) == len(targets) else None
 
 
 # Off only to compare the lane with the general scan (tests/deferinit/test_liveness_lanes.py).

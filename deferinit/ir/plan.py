@@ -162,12 +162,11 @@ class Plan:
         # Random draws: replay, from the nearest known state, every draw up
         # to each needed one (their own inputs included), until nothing new.
         while True:
-            self._streams_of(needed, seen)
+            positions = _grouped(self._streams_of(needed, seen), self.streams)
             before = len(needed)
             # While only the targets' factory calls are planned, only what
             # draws_before adds matters (see draws_outside).
             lean = whole is not None and before == len(whole)
-            positions = _positions(needed.values(), self.streams)
             found = (_outside if lean else _before)(positions)
             closure((), found, needed)
             if len(needed) == before:
@@ -180,9 +179,13 @@ class Plan:
             if whole is None:
                 self.order = sorted(needed.values(), key=lambda n: n.seq)
                 return
-            targets = self.targets
-            self.whole = sorted(range(len(targets)), key=lambda i: targets[i].value.node.seq)
-            self.order = [targets[i].value.node for i in self.whole]
+            nodes = [inp.value.node for inp in self.targets]
+            seqs = [node.seq for node in nodes]
+            if all(a < b for a, b in zip(seqs, seqs[1:])):  # targets asked in recorded order (a module's)
+                self.whole, self.order = list(range(len(nodes))), nodes
+            else:
+                self.whole = sorted(range(len(nodes)), key=seqs.__getitem__)
+                self.order = [nodes[i] for i in self.whole]
             return
         # -- dead-work elimination: of everything the reads could need, what
         # their values and the live draws' generator states really depend on.
@@ -195,15 +198,22 @@ class Plan:
         )
         self.order = self.liveness.order
 
-    def _streams_of(self, needed: dict, seen: dict) -> None:
-        """``self.streams`` for the random nodes of ``needed`` (their streams added to ``seen``)."""
-        for node in list(needed.values()):
+    def _streams_of(self, needed: dict, seen: dict) -> dict:
+        """``self.streams`` for the random nodes of ``needed`` (their streams added
+        to ``seen``); returns those nodes by record stream, ``id(stream) -> [nodes]``."""
+        by_stream: dict = {}
+        for node in needed.values():
             if node.rng is not None:
                 stream = node.rng[0]()
                 if stream is None:
                     raise ReplayError(f"the record of {node} is gone; it cannot be replayed")
-                seen.setdefault(id(stream), stream)
+                nodes = by_stream.get(id(stream))
+                if nodes is None:
+                    nodes = by_stream[id(stream)] = []
+                    seen.setdefault(id(stream), stream)
+                nodes.append(node)
         self.streams = replay_streams(list(seen.values()), self.device_map)
+        return by_stream
 
     def _mark_planned(self, needed: dict) -> None:
         for node in needed.values():
@@ -257,6 +267,23 @@ def _outside(positions) -> list:
             ks = [lo]
         found.extend(rs.needs_all(ks))
     return found
+
+
+def _grouped(by_stream: dict, streams: dict):
+    """:func:`_positions` of random nodes already grouped by record stream
+    (``id(stream) -> [nodes]``, see :meth:`Plan._streams_of`)."""
+    found: dict = {}
+    for key, nodes in by_stream.items():
+        rs = streams.get(key)
+        if rs is not None:
+            index = rs.index
+            ks = [index[id(node)] for node in nodes]
+            entry = found.get(id(rs))
+            if entry is None:
+                found[id(rs)] = (rs, ks)
+            else:
+                entry[1].extend(ks)
+    return found.values()
 
 
 def _positions(nodes, streams: dict):
