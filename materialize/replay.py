@@ -108,8 +108,10 @@ class Replay:
         self._check_devices()
 
     def _check_devices(self) -> None:
-        devices = set()
-        for node in self.plan.order:
+        devices = {inp.value.device for inp in self.plan.targets}
+        # A plan of the targets' own factory calls makes each on its target's
+        # device: its device arguments are those.
+        for node in self.plan.order if self.plan.whole is None else ():
             for x in node.flat:
                 if type(x) is Input:
                     devices.add(x.value.device)
@@ -117,8 +119,6 @@ class Replay:
                     devices.add(x)
             if node.kind == "constant":
                 devices.add(node.target)
-        for inp in self.plan.targets:
-            devices.add(inp.value.device)
         for device in devices:
             mapped = self.device_map(device)
             if not exists(mapped):
