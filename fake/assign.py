@@ -180,7 +180,7 @@ def exchange(a: torch.Tensor, b: torch.Tensor) -> None:
         (torch.Size([3]), tensor([10., 10., 10.]))
     """
     # object's setattr: the classes' own (a fake's) would be asked about names it does not watch.
-    class_a, class_b, dict_a, dict_b = a.__class__, b.__class__, a.__dict__, b.__dict__
+    class_a, class_b, dict_a, dict_b = type(a), type(b), a.__dict__, b.__dict__
     _set(a, "__class__", class_b)
     _set(b, "__class__", class_a)
     _set(a, "__dict__", dict_b)
@@ -192,12 +192,17 @@ def exchange(a: torch.Tensor, b: torch.Tensor) -> None:
 _set = object.__setattr__
 
 
+# Unbound: looked up on a subclass's instance (a fake) they cost as much again.
+_backward_hooks = torch._C.TensorBase._backward_hooks.__get__
+_post_accumulate_grad_hooks = torch._C.TensorBase._post_accumulate_grad_hooks.__get__
+
+
 def _hooks_follow(a: torch.Tensor, b: torch.Tensor) -> None:
-    ha, hb = a._backward_hooks, b._backward_hooks
+    ha, hb = _backward_hooks(a), _backward_hooks(b)
     if ha is not None or hb is not None:
         # The setter puts the C++ hook that calls them on the tensor held now.
         a._backward_hooks, b._backward_hooks = ha, hb
-    ha, hb = a._post_accumulate_grad_hooks, b._post_accumulate_grad_hooks
+    ha, hb = _post_accumulate_grad_hooks(a), _post_accumulate_grad_hooks(b)
     if ha is not None or hb is not None:
         a._post_accumulate_grad_hooks, b._post_accumulate_grad_hooks = ha, hb
 

@@ -45,7 +45,16 @@ from .generators import committed_then_handed_over, records_of
 from .graphcheck import check_graph
 from .progress import start_progress
 from .replay import Replay
-from .swap import Swaps, dress, dress_leaf
+from .swap import Swaps, dress, dress_fresh, dress_leaf
+
+
+# A fake's C methods and properties, unbound: looked up on the instance, a
+# subclass's, they cost as much again (asked of every tensor of a model).
+_is_view = torch._C.TensorBase._is_view
+_is_inference = torch._C.TensorBase.is_inference
+_grad_fn = torch._C.TensorBase.grad_fn.__get__
+# The kinds of node whose replay makes a new tensor object (see Replay.constant, Replay.call).
+_FRESH = frozenset({"op", "constant"})
 
 
 def materialize(targets, *, device=None, inference: bool = False, progress=False, counted=None,
@@ -79,7 +88,7 @@ def _run(hand, targets, device, inference, progress, counted, kept_deferred, wra
     # A fake that is no view and has no grad_fn needs neither (most of them: asked first).
     with plain_queries():  # fakes
         graphs = any(
-            (fake._is_view() or grad_fn_of(fake) is not None) and (needs_graph(fake) or real_root_of(fake))
+            (_is_view(fake) or grad_fn_of(fake) is not None) and (needs_graph(fake) or real_root_of(fake))
             for _, fake in targets
         )
     binder = None
@@ -91,7 +100,7 @@ def _run(hand, targets, device, inference, progress, counted, kept_deferred, wra
     units = sharding.groups(targets) if sharding is not None and not graphs else [targets]
 
     shown = start_progress(progress, counted)
-    counted = {id(f) for f in counted}
+    counted = {id(f) for f in counted} if shown is not None else None
     try:
         fakes = [fake for group in units for _, fake in group]
         records = records_of(fakes)
@@ -174,10 +183,14 @@ def _streamed(group, reads, swaps):
         fake = group[i][1]
         d = fake.__dict__
         storage = d["_storage"]
-        if (type(real) is not torch.Tensor or real._is_view() or storage.shared or d.get("_leaf") is not None
-                or fake._is_view() or fake.grad_fn is not None or fake.is_inference()):
+        if (type(real) is not torch.Tensor or _is_view(real) or storage.shared or d.get("_leaf") is not None
+                or _is_view(fake) or _grad_fn(fake) is not None or _is_inference(fake)):
             return False
-        swaps.one(fake, dress_leaf(fake, real), (reads[i], storage))
+        read = reads[i]
+        # A replay's own op or constant makes a new object; an outside tensor
+        # (``t.data = outside``) is the user's own object: a new one on its memory.
+        dressed = dress_fresh(fake, real) if read.value.node.kind in _FRESH else dress_leaf(fake, real)
+        swaps.one(fake, dressed, (read, storage))
         return True
     return sink
 

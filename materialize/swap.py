@@ -113,6 +113,42 @@ def dress_leaf(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     return obj
 
 
+def dress_fresh(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """:func:`dress_leaf` of a tensor nothing else holds (a replay's fresh
+    factory output, no view, no graph): ``real`` itself is dressed, its class
+    set and ``requires_grad`` turned on, as ``_make_subclass`` would give a
+    new object (a model of many small tensors makes one object less each).
+    A class with a dispatch of its own, or a layout of its own, gets a new
+    object (:func:`dress_leaf`).
+
+    Example::
+
+        >>> w = deferred_init(torch.nn.Linear, 2, 2).weight
+        >>> t = torch.zeros(2, 2); dress_fresh(w, t) is t, type(t).__name__, t.requires_grad
+        (True, 'Parameter', True)
+    """
+    d = fake.__dict__
+    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+    if cls is not None:
+        if getattr(cls, "__torch_dispatch__", _DEFAULT_DISPATCH) is not _DEFAULT_DISPATCH:
+            return dress_leaf(fake, real)
+        try:
+            object.__setattr__(real, "__class__", cls)
+        except TypeError:  # "object layout differs" (__slots__): refused before any change
+            return dress_leaf(fake, real)
+    if _requires_grad(fake) and (real.is_floating_point() or real.is_complex()):
+        real.requires_grad_(True)
+    if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
+        for key, value in d.items():
+            if key not in INTERNAL_ATTRS:
+                real.__dict__[key] = value
+    return real
+
+
+_DEFAULT_DISPATCH = torch.Tensor.__torch_dispatch__
+_requires_grad = torch._C.TensorBase.requires_grad.__get__
+
+
 def _leaf(cls, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     if cls is not None:
         # PyTorch's own, not the diversion torch.Tensor holds while fakes live
@@ -251,7 +287,11 @@ class Swaps:
 
 
 def _noted(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    return type(a), a.__dict__, a._cdata, type(b), b.__dict__
+    return type(a), a.__dict__, _cdata(a), type(b), b.__dict__
+
+
+# Unbound: looked up on a subclass's instance (a fake) it costs as much again.
+_cdata = torch._C.TensorBase._cdata.__get__
 
 
 def rebuilt(w: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from deferinit import deferred_init, is_deferred
+from deferinit.errors import MaterializationError
 from deferinit.ir.plan import Plan, draws_before, draws_outside, read_of
 from deferinit.materialize import materialize_module, materialize_tensor
 from deferinit.materialize.draws import Draws
@@ -244,3 +245,85 @@ def test_threads_asking_while_tensors_stream_in(monkeypatch, others):
         assert_same_tensors(eager, d)
         assert all(type(p) is nn.Parameter for p in d.parameters())
         assert torch.equal(torch.get_rng_state(), state) and torch.equal(G.get_state(), g)
+
+
+class Tagged(nn.Parameter):
+    pass
+
+
+class Classes(nn.Module):
+    """Parameter classes, flags and attributes the replay's own tensor is dressed
+    with in place (dress_fresh)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Tagged(torch.randn(3))
+        self.b = nn.Parameter(torch.randn(2))
+        self.c = nn.Parameter(torch.randn(2), requires_grad=False)
+        self.d = nn.Parameter(torch.randint(0, 5, (3,)), requires_grad=False)
+        self.e = nn.Parameter(torch.randn(2, dtype=torch.complex64))
+        self.register_buffer("f", torch.rand(3))
+        self.f.tag = "mine"
+        self.g = nn.Parameter(torch.randn(2))
+        self.g.tag = "mine too"
+
+
+def test_classes_flags_and_attributes_as_eager(ones_counted):
+    eager, state, g = _eager(Classes)
+    d = _deferred(Classes)
+    materialize_module(d)
+    assert_same_tensors(eager, d)
+    assert torch.equal(torch.get_rng_state(), state) and torch.equal(G.get_state(), g)
+    assert len(ones_counted) == 7  # all streamed
+    for name, t in _held(d).items():
+        e = _held(eager)[name]
+        assert type(t) is type(e) and t.requires_grad == e.requires_grad and t.is_leaf, name
+        assert t.__dict__ == e.__dict__, name
+    d.a.sum().backward()  # each a leaf autograd accumulates into
+    assert torch.equal(d.a.grad, torch.ones(3))
+
+
+OUTSIDE = torch.arange(3.0)
+
+
+class Outside(nn.Module):
+    """A parameter pointed at a tensor from outside (``.data =``): the replay's
+    value is that tensor object itself, which must stay the user's."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(2))
+        self.p = nn.Parameter(torch.randn(3))
+        self.p.data = OUTSIDE
+
+
+def test_an_outside_tensor_stays_the_users(ones_counted):
+    eager, _, _ = _eager(Outside)
+    d = _deferred(Outside)
+    materialize_module(d)
+    assert len(ones_counted) == 2
+    assert_same_tensors(eager, d)
+    # Without the node-kind check, OUTSIDE itself was dressed as the Parameter
+    # and then swapped out: a FakeTensor.
+    assert type(OUTSIDE) is torch.Tensor and not OUTSIDE.requires_grad
+    assert type(d.p) is nn.Parameter and d.p is not OUTSIDE and d.p.data_ptr() == OUTSIDE.data_ptr()
+    assert eager.p.data_ptr() == OUTSIDE.data_ptr()
+
+
+class Slotted(nn.Parameter):
+    """A parameter class of another layout: no object can be swapped into it."""
+
+    __slots__ = ("note",)
+
+
+def test_a_parameter_class_of_another_layout_is_refused_and_nothing_changes():
+    def build():
+        return nn.ParameterList([nn.Parameter(torch.randn(2)), Slotted(torch.randn(2)), nn.Parameter(torch.randn(2))])
+
+    torch.manual_seed(0)
+    d = deferred_init(build)
+    before = torch.get_rng_state()
+    with pytest.raises(MaterializationError, match="swapping the real tensors in failed: __class__ assignment"):
+        materialize_module(d)
+    assert all(is_deferred(p) for p in d)
+    assert torch.equal(torch.get_rng_state(), before)
