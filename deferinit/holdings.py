@@ -46,8 +46,9 @@ _BUDGET = 200_000
 
 class Holdings:
     """What one module (not its submodules) holds: ``(name, tensor, kind)``
-    triples, ``kind`` being ``"parameter"``, ``"buffer"`` or ``"attribute"``,
-    and ``beyond``: ``(name, tensor)`` pairs other objects it holds keep."""
+    triples, ``kind`` being ``"parameter"``, ``"buffer"`` or ``"attribute"``
+    (the parameters and the tensors they carry first), and ``beyond``:
+    ``(name, tensor)`` pairs other objects it holds keep."""
 
     __slots__ = ("tensors", "beyond")
 
@@ -81,24 +82,23 @@ def holdings(module: torch.nn.Module, prefix: str = "", seen: set | None = None)
     """
     found = Holdings()
     dot = f"{prefix}." if prefix else ""
-    for name, t in module._parameters.items():
-        if t is not None:
-            found.tensors.append((dot + name, t, "parameter"))
-    for name, t in module._buffers.items():
-        if t is not None:
-            found.tensors.append((dot + name, t, "buffer"))
+    params = [(dot + name, t, "parameter") for name, t in module._parameters.items() if t is not None]
+    found.tensors = [(dot + name, t, "buffer") for name, t in module._buffers.items() if t is not None]
     walk = _Walk(found, set() if seen is None else seen)
     for key, value in list(vars(module).items()):
         kind = type(value)
         # walk.held's first question, asked before naming the value.
         if key not in _SKIP and kind not in _EMPTY_OR_NOT and (kind not in _PLAIN or value):
             walk.held(dot + key, value)
-    for name, t, kind in list(found.tensors):
+    rest = found.tensors
+    # What the tensors carry follows them, a parameter's with the parameters.
+    carried: tuple = ([], [])
+    for name, t, kind in params + rest:
         d = getattr(t, "__dict__", None)
         if type(d) is dict and d.keys() <= INTERNAL_ATTRS:
             continue  # attached()'s first question, asked before the call: nothing of its own
-        for item_name, item in attached(t, name):
-            found.tensors.append((item_name, item, kind))
+        carried[kind != "parameter"].extend((item_name, item, kind) for item_name, item in attached(t, name))
+    found.tensors = params + carried[0] + rest + carried[1]
     return found
 
 

@@ -192,10 +192,10 @@ def _module_targets(module, buffers_only, check_fn):
         (sub, holdings(sub, prefix, walked)) for prefix, sub in module.named_modules(remove_duplicate=False)
         if check_fn is None or check_fn(sub)
     ]
-    # The modules' own tensors first, then what other objects keep (which may
-    # be the same tensors: FSDP2's state keeps the parameters it shards).
-    lists = [[x for x in h.tensors if x[2] == "parameter"] + [x for x in h.tensors if x[2] != "parameter"]
-             for _, h in held]
+    # The modules' own tensors first (each module's parameters first: see
+    # Holdings), then what other objects keep (which may be the same tensors:
+    # FSDP2's state keeps the parameters it shards).
+    lists = [h.tensors for _, h in held]
     lists += [[(name, t, "beyond") for name, t in h.beyond] for _, h in held]
     wrapped = False
     for tensors in lists:
