@@ -22,7 +22,8 @@ it also times a floor: the least a replay in Python does per tensor
 figures of one rank of a sharded model are in ``benchmarks/sharding.py``.
 
 Run: ``python benchmarks/parts.py`` (prints markdown; ``--quick`` for tiny
-shapes; ``--only=many,many-linear`` for some rows).  Child mode (internal): ``python benchmarks/parts.py child CASE MODE [--quick]``.
+shapes; ``--only=many,many-linear`` for some rows; ``--repeat=5`` for the
+median of 5 runs of each cell, eager and deferred alternately).  Child mode (internal): ``python benchmarks/parts.py child CASE MODE [--quick]``.
 """
 
 from __future__ import annotations
@@ -226,7 +227,19 @@ CASES = [
 ]
 
 
-def main(quick: bool = False, only=None) -> str:
+def _median(results: list) -> dict:
+    """One cell from several runs: each time and peak the median of the runs'
+    (the checksum the first run's, or None where the runs disagree)."""
+    out = dict(results[0])
+    for key in ("seconds", "cpu", "peak_rss"):
+        if all(key in r for r in results):
+            out[key] = sorted(r[key] for r in results)[len(results) // 2]
+    if any(r["checksum"] != out["checksum"] for r in results):
+        out["checksum"] = None
+    return out
+
+
+def main(quick: bool = False, only=None, repeat: int = 1) -> str:
     script = os.path.abspath(__file__)
     flags = ["--quick"] if quick else []
     rows = []
@@ -235,16 +248,18 @@ def main(quick: bool = False, only=None) -> str:
     for case, label, reference, comparable in CASES:
         if only is not None and case not in only:
             continue
-        eager = run_child(script, "child", case, "eager", *flags)
-        deferred = run_child(script, "child", case, "deferred", *flags)
+        # Alternately, so that a change of the machine's load meets both sides.
+        runs = [(run_child(script, "child", case, "eager", *flags), run_child(script, "child", case, "deferred", *flags))
+                for _ in range(repeat)]
+        eager, deferred = _median([e for e, _ in runs]), _median([d for _, d in runs])
         if "cpu" in eager and "cpu" in deferred:
             cpu.append(f"{label}: {eager['cpu']:.2f} s against {deferred['cpu']:.2f} s, "
                        f"{deferred['cpu'] / eager['cpu']:.2f}x")
         if case == "many":
-            least = run_child(script, "child", case, "floor", *flags)
+            least = _median([run_child(script, "child", case, "floor", *flags) for _ in range(repeat)])
             floors.append(f"{label}: {least['cpu']:.2f} s of CPU, {least['cpu'] / eager['cpu']:.2f}x eager's "
-                          f"(same values: {'yes' if least['checksum'] == eager['checksum'] else 'NO'})")
-        same = "yes" if deferred["checksum"] == eager["checksum"] else "NO"
+                          f"(same values: {'yes' if least['checksum'] == eager['checksum'] is not None else 'NO'})")
+        same = "yes" if deferred["checksum"] == eager["checksum"] is not None else "NO"
         notes.update(f"`{k}` ({v})" for k, v in deferred["fallbacks"].items())
         rows.append([
             label, f"{deferred['params'] / 1e6:,.1f} M in {deferred['tensors']:,} tensors", reference,
@@ -259,7 +274,9 @@ def main(quick: bool = False, only=None) -> str:
         table(["materialized", "size", "eager reference", "eager", "materialize", "ratio", "eager peak RSS",
                "deferred peak RSS", "same values"], rows),
         "",
-        "Each cell from its own fresh process. Goal: ratio at most 2x. The single layers are compared with eager "
+        ("Each cell from its own fresh process" if repeat == 1 else
+         f"Each cell the median of {repeat} fresh processes, eager and deferred run alternately")
+        + ". Goal: ratio at most 2x. The single layers are compared with eager "
         "construction of one layer alone, whose values are not the model's layer (those are checked against "
         "eager construction of whole models in tests/materialize). Draws generated instead of jumped over "
         f"(their word counts not known): {fallbacks}.",
@@ -279,4 +296,5 @@ if __name__ == "__main__":
         print(json.dumps(child(sys.argv[2], sys.argv[3], "--quick" in sys.argv)))
     else:
         only = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")), None)
-        print(main(quick="--quick" in sys.argv, only=only))
+        repeat = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--repeat=")), 1)
+        print(main(quick="--quick" in sys.argv, only=only, repeat=repeat))
