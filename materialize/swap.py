@@ -129,15 +129,15 @@ def dress_fresh(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """
     d = fake.__dict__
     cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+    if cls is not None and getattr(cls, "__torch_dispatch__", _DEFAULT_DISPATCH) is not _DEFAULT_DISPATCH:
+        return dress_leaf(fake, real)
+    if _requires_grad(fake) and (real.is_floating_point() or real.is_complex()):
+        real.requires_grad_(True)  # while still a plain tensor: no class of the user's asked
     if cls is not None:
-        if getattr(cls, "__torch_dispatch__", _DEFAULT_DISPATCH) is not _DEFAULT_DISPATCH:
-            return dress_leaf(fake, real)
         try:
             object.__setattr__(real, "__class__", cls)
-        except TypeError:  # "object layout differs" (__slots__): refused before any change
+        except TypeError:  # "object layout differs" (__slots__): a new object, refused at its swap
             return dress_leaf(fake, real)
-    if _requires_grad(fake) and (real.is_floating_point() or real.is_complex()):
-        real.requires_grad_(True)
     if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
         for key, value in d.items():
             if key not in INTERNAL_ATTRS:
