@@ -496,9 +496,14 @@ class fake_mode:
         self.planning = planning()
 
     def __enter__(self) -> None:
+        # One line: an interrupt at a later line of __enter__ would leave the
+        # modes pushed, and the with statement calls no __exit__ then.
+        undoing(lambda: self.modes.exit(True), self._enter)
+
+    def _enter(self) -> None:
         # planning()'s count is a stack the modes' entry puts back (deferinit.fake.state).
         self.modes.__enter__()
-        undoing(lambda: self.modes.exit(True), self.planning.__enter__)
+        self.planning.__enter__()
 
     def __exit__(self, kind, value, tb) -> None:
         # No bare ``try:`` line first: Python reports a line there, outside the block.
