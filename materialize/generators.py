@@ -109,7 +109,7 @@ def committed_then_handed_over(work, device) -> None:
 
 def records_of(fakes) -> list:
     """The records of ``fakes``, taken before the swap (which may free them)."""
-    return list({id(r): r for r in (f._record for f in fakes) if r is not None}.values())
+    return list({id(r): r for f in fakes if (r := f._record) is not None}.values())
 
 
 def hand_over_generators(streams, device=None, records=()) -> None:
