@@ -235,15 +235,15 @@ def test_swap_error(monkeypatch):
     m = _deferred(bad=False)
     fakes = _fakes(m)
     calls = []
-    real_swap = swap_module.swap
+    real_exchange = swap_module.exchange
 
     def flaky(t1, t2):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("swap failed")
-        real_swap(t1, t2)
+        real_exchange(t1, t2)
 
-    monkeypatch.setattr(swap_module, "swap", flaky)
+    monkeypatch.setattr(swap_module, "exchange", flaky)  # what Swaps and swap() exchange contents with
     before = snapshot()
     with pytest.raises(MaterializationError, match="nothing was changed"):
         materialize_module(m)
