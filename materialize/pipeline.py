@@ -53,6 +53,15 @@ from .swap import Swaps, dress, dress_fresh, dress_leaf
 _is_view = torch._C.TensorBase._is_view
 _is_inference = torch._C.TensorBase.is_inference
 _grad_fn = torch._C.TensorBase.grad_fn.__get__
+
+
+def _plain_leaf(fake, real) -> bool:
+    """A fake that is a leaf (no view, no graph, not inference) made real as a
+    plain tensor that is no view: the common case, dressed at once."""
+    return (type(real) is torch.Tensor and not _is_view(real) and not _is_view(fake) and _grad_fn(fake) is None
+            and not _is_inference(fake))
+
+
 # The kinds of node whose replay makes a new tensor object (see Replay.constant, Replay.call).
 _FRESH = frozenset({"op", "constant"})
 
@@ -183,8 +192,7 @@ def _streamed(group, reads, swaps):
         fake = group[i][1]
         d = fake.__dict__
         storage = d["_storage"]
-        if (type(real) is not torch.Tensor or _is_view(real) or storage.shared or d.get("_leaf") is not None
-                or _is_view(fake) or _grad_fn(fake) is not None or _is_inference(fake)):
+        if storage.shared or d.get("_leaf") is not None or not _plain_leaf(fake, real):
             return False
         read = reads[i]
         # A replay's own op or constant makes a new object; an outside tensor
@@ -249,7 +257,7 @@ def _dressed(group, reals, inference, binder, retaken=()) -> list:
             for i, ((_, fake), real) in enumerate(zip(group, reals)):
                 if real is None:  # swapped in already (_streamed)
                     continue
-                if type(real) is torch.Tensor and not fake._is_view() and not real._is_view() and fake.grad_fn is None and not fake.is_inference():
+                if _plain_leaf(fake, real):
                     pairs[i] = (fake, dress_leaf(fake, real))
                 else:
                     others.append(i)

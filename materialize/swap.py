@@ -40,8 +40,7 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     """
     d = fake.__dict__
     floating = real.is_floating_point() or real.is_complex()
-    # A Parameter (or subclass), or a tensor subclass made from a fake (deferinit.fake.subclass).
-    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+    cls = _class_of(d)
     grad_fn = grad_fn_of(fake)
     # is_grad_view(fake), asked once (grad_fn is its first question).
     grad_view = grad_fn is None and is_grad_view(fake)
@@ -86,9 +85,7 @@ def dress(fake: torch.Tensor, real: torch.Tensor, inference: bool, made: torch.T
     else:  # the common case, without the context manager's cost (a model of many small tensors)
         obj = _leaf(cls, real, fake.requires_grad and floating)
     if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
-        for key, value in d.items():
-            if key not in INTERNAL_ATTRS:
-                obj.__dict__[key] = value
+        _copy_attributes(d, obj)
     return obj
 
 
@@ -104,12 +101,10 @@ def dress_leaf(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         'Parameter'
     """
     d = fake.__dict__
-    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+    cls = _class_of(d)
     obj = _leaf(cls, real, fake.requires_grad and (real.is_floating_point() or real.is_complex()))
     if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
-        for key, value in d.items():
-            if key not in INTERNAL_ATTRS:
-                obj.__dict__[key] = value
+        _copy_attributes(d, obj)
     return obj
 
 
@@ -128,7 +123,7 @@ def dress_fresh(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         (True, 'Parameter', True)
     """
     d = fake.__dict__
-    cls = (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+    cls = _class_of(d)
     if cls is not None and getattr(cls, "__torch_dispatch__", _DEFAULT_DISPATCH) is not _DEFAULT_DISPATCH:
         return dress_leaf(fake, real)
     if _requires_grad(fake) and (real.is_floating_point() or real.is_complex()):
@@ -139,14 +134,26 @@ def dress_fresh(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         except TypeError:  # "object layout differs" (__slots__): a new object, refused at its swap
             return dress_leaf(fake, real)
     if not d.keys() <= INTERNAL_ATTRS:  # the user's attributes (most tensors have none)
-        for key, value in d.items():
-            if key not in INTERNAL_ATTRS:
-                real.__dict__[key] = value
+        _copy_attributes(d, real)
     return real
 
 
 _DEFAULT_DISPATCH = torch.Tensor.__torch_dispatch__
 _requires_grad = torch._C.TensorBase.requires_grad.__get__
+
+
+def _class_of(d: dict):
+    """The class a fake's real tensor is dressed as, from the fake's ``__dict__``
+    ``d``: a Parameter (or subclass), or a tensor subclass made from a fake
+    (deferinit.fake.subclass); None for a plain tensor."""
+    return (d.get("_param_cls") or torch.nn.Parameter) if d.get("_is_param") else d.get("_param_cls")
+
+
+def _copy_attributes(d: dict, obj: torch.Tensor) -> None:
+    """The user's attributes of a fake (its ``__dict__`` ``d``, less the fake's own) onto ``obj``."""
+    for key, value in d.items():
+        if key not in INTERNAL_ATTRS:
+            obj.__dict__[key] = value
 
 
 def _leaf(cls, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
