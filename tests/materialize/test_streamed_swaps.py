@@ -138,8 +138,8 @@ def test_a_draw_failing_midway_undoes_the_tensors_swapped_before(at, error, monk
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WATCHED = {
     os.path.join(ROOT, "materialize", "replay.py"): {"_run_whole", "run"},
-    os.path.join(ROOT, "materialize", "pipeline.py"): {"sink", "_streamed", "_swap_in", "_run"},
-    os.path.join(ROOT, "materialize", "swap.py"): {"one", "_swap", "_remember", "_noted"},
+    os.path.join(ROOT, "materialize", "pipeline.py"): {"sink", "_streamed", "_swap_in", "_run", "_plain_leaf"},
+    os.path.join(ROOT, "materialize", "swap.py"): {"one", "_swap", "_remember", "_noted", "dress_fresh", "_class_of"},
     os.path.join(ROOT, "deferinit", "ir", "plan.py"): {"draws_outside", "_positions", "_plan"},
 }
 
